@@ -1,0 +1,177 @@
+"""Frozen, hashable model configs (static under jit) and HF config.json parsing.
+
+Every checkpoint reader (HF directories, GGUF files) ends in a `ModelConfig`; the RoPE width is
+resolved here once, by `resolve_rotary_dim`, so the readers cannot disagree about it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from jaxspec.errors import UnsupportedModelError
+
+
+class Architecture(enum.Enum):
+    """Trunk families sharing the Llama forward (GQA, RMSNorm, SwiGLU, rotate-half RoPE)."""
+
+    LLAMA = "llama"  # Llama 2/3, SmolLM2
+    MISTRAL = "mistral"
+    QWEN2 = "qwen2"  # q/k/v projection bias
+    QWEN3 = "qwen3"  # per-head RMSNorm on q and k (QK-norm), no bias
+
+
+# HF `model_type` / `architectures[0]` -> family.
+_HF_MODEL_TYPES = {
+    "llama": Architecture.LLAMA,
+    "mistral": Architecture.MISTRAL,
+    "qwen2": Architecture.QWEN2,
+    "qwen3": Architecture.QWEN3,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Llama3RopeScaling:
+    """Llama-3.1 frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family trunk. Dimension letters follow STYLE.md."""
+
+    architecture: Architecture = Architecture.LLAMA
+    vocab_size: int  # V
+    dim: int  # D
+    num_layers: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    ffn_dim: int  # F
+    rope_theta: float = 10000.0
+    rotary_dim: int  # leading dims of each head that RoPE rotates (<= H, even)
+    rope_scaling: Llama3RopeScaling | None = None
+    norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048  # the context: prompt + new tokens never exceed it
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projection bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise UnsupportedModelError(
+                f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]"
+            )
+
+    @property
+    def group_size(self) -> int:  # G: query heads per kv head
+        return self.num_heads // self.num_kv_heads
+
+
+def resolve_rotary_dim(hf: Mapping[str, Any], head_dim: int) -> int:
+    """RoPE width, one rule for every reader.
+
+    Explicit `rotary_dim` wins; else `partial_rotary_factor` (top level, or under
+    `rope_parameters`) times the head dim; else the full head dim. A malformed factor (<= 0 or
+    > 1) is ignored and the full width is used, as the CUDA seed's config tests pin it.
+    """
+    explicit = hf.get("rotary_dim")
+    if explicit is not None:
+        return int(explicit)
+    factor = hf.get("partial_rotary_factor")
+    if factor is None and isinstance(hf.get("rope_parameters"), Mapping):
+        factor = hf["rope_parameters"].get("partial_rotary_factor")
+    if factor is None:
+        return head_dim
+    factor = float(factor)
+    if not 0.0 < factor <= 1.0:
+        return head_dim
+    return int(head_dim * factor)
+
+
+def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """(theta, scaling) from `rope_theta`/`rope_scaling` or transformers 5's `rope_parameters`."""
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    theta = hf.get("rope_theta")
+    if isinstance(params, Mapping):
+        theta = params.get("rope_theta", theta)
+        if scaling is None and params.get("rope_type", "default") != "default":
+            scaling = params
+    theta = float(theta if theta is not None else 10000.0)
+    if not scaling:
+        return theta, None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported (only 'llama3')")
+    return theta, Llama3RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """Parse an HF `config.json` dict. Raises UnsupportedModelError naming what is unsupported."""
+    model_type = hf.get("model_type")
+    if model_type not in _HF_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; jaxspec reads {sorted(_HF_MODEL_TYPES)}"
+        )
+    architecture = _HF_MODEL_TYPES[model_type]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+    try:
+        dim = int(hf["hidden_size"])
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or dim // num_heads)
+        theta, scaling = _rope_settings(hf)
+        context = int(hf.get("max_position_embeddings", 2048))
+        if hf.get("use_sliding_window", model_type == "mistral") and hf.get("sliding_window"):
+            # Attention is full up to the window; past it the model would need a ring cache.
+            context = min(context, int(hf["sliding_window"]))
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=int(hf["vocab_size"]),
+            dim=dim,
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            ffn_dim=int(hf["intermediate_size"]),
+            rope_theta=theta,
+            rotary_dim=resolve_rotary_dim(hf, head_dim),
+            rope_scaling=scaling,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=context,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", architecture is Architecture.QWEN2)),
+            qk_norm=architecture is Architecture.QWEN3,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+        )
+    except KeyError as missing:
+        raise UnsupportedModelError(f"config.json lacks required field {missing}") from None

@@ -1,0 +1,20 @@
+"""Errors jaxspec raises for bad input, always before anything is traced or jitted.
+
+Each names what was wrong so a user (or the CLI, which prints one line and exits 2) can act on it.
+"""
+
+
+class JaxspecError(ValueError):
+    """Base class: bad input the user can fix."""
+
+
+class CheckpointError(JaxspecError):
+    """A checkpoint file or directory is missing, truncated or corrupt."""
+
+
+class UnsupportedModelError(JaxspecError):
+    """The checkpoint is readable but describes something jaxspec does not implement."""
+
+
+class InvalidRequestError(JaxspecError):
+    """A generation request is out of range (prompt, token ids, sampling parameters, lengths)."""

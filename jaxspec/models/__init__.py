@@ -1,0 +1,1 @@
+"""Trunks and draft heads: pure forward functions over params pytrees."""

@@ -1,0 +1,216 @@
+"""The Llama-family trunk: Llama 3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (QK-norm).
+
+A pure function `forward(params, cfg, tokens, cache) -> (logits, hiddens, cache)`.
+
+Layout, and why: weights stay `[out, in]` as HF and GGUF store them, and activations inside the
+trunk are feature-major, `[D, B*T]`, so every projection is `W @ h`. On XLA CPU that is the
+spelling whose cost grows slowest with T (T = 8 costs ~1.8x T = 1, against ~3.3x for `x @ W`;
+see shared/notes), and speculative verification is a T = k+1 forward. Layers are a Python list
+(unrolled under jit): slicing a stacked `[L, ...]` weight per layer measured 9x slower here.
+
+Params pytree (float32 unless a loader says otherwise):
+    embed [V, D]; final_norm [D]; lm_head [V, D] (absent when cfg.tie_embeddings)
+    layers: list of L dicts
+        attn_norm [D]; q_proj [N*H, D]; k_proj [K*H, D]; v_proj [K*H, D]; o_proj [D, N*H]
+        q_bias [N*H]; k_bias [K*H]; v_bias [K*H]   (cfg.attention_bias)
+        q_norm [H]; k_norm [H]                       (cfg.qk_norm)
+        mlp_norm [D]; gate_proj [F, D]; up_proj [F, D]; down_proj [D, F]
+Q/K rows follow HF's rotate-half RoPE convention (GGUF loaders undo llama.cpp's permutation).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import KVCache, write_rows
+from jaxspec.config import ModelConfig
+
+Params = dict[str, Any]
+
+# Logical axis names per parameter (DESIGN.md contract 8): `heads` and `ffn` shard tensor-parallel.
+LAYER_AXES = {
+    "attn_norm": ("embed",),
+    "q_proj": ("heads", "embed"),
+    "k_proj": ("kv_heads", "embed"),
+    "v_proj": ("kv_heads", "embed"),
+    "o_proj": ("embed", "heads"),
+    "q_bias": ("heads",),
+    "k_bias": ("kv_heads",),
+    "v_bias": ("kv_heads",),
+    "q_norm": (None,),
+    "k_norm": (None,),
+    "mlp_norm": ("embed",),
+    "gate_proj": ("ffn", "embed"),
+    "up_proj": ("ffn", "embed"),
+    "down_proj": ("embed", "ffn"),
+}
+TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("vocab", "embed")}
+
+
+def param_axes(params: Params) -> Params:
+    """The params pytree with each array replaced by its tuple of logical axis names."""
+    axes = {name: TOP_AXES[name] for name in params if name != "layers"}
+    axes["layers"] = [{name: LAYER_AXES[name] for name in layer} for layer in params["layers"]]
+    return axes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random params of the right shapes (tests and benchmarks of untrained shapes)."""
+    D, N, K, H, F, V = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
+    keys = iter(jax.random.split(key, 8 * cfg.num_layers + 2))
+
+    def normal(*shape):
+        return scale * jax.random.normal(next(keys), shape, jnp.float32)
+
+    layers = []
+    for _ in range(cfg.num_layers):
+        layer = {
+            "attn_norm": jnp.ones((D,)), "q_proj": normal(N * H, D), "k_proj": normal(K * H, D),
+            "v_proj": normal(K * H, D), "o_proj": normal(D, N * H), "mlp_norm": jnp.ones((D,)),
+            "gate_proj": normal(F, D), "up_proj": normal(F, D), "down_proj": normal(D, F),
+        }
+        if cfg.attention_bias:
+            layer |= {"q_bias": normal(N * H), "k_bias": normal(K * H), "v_bias": normal(K * H)}
+        if cfg.qk_norm:
+            layer |= {"q_norm": 1.0 + normal(H), "k_norm": 1.0 + normal(H)}
+        layers.append(layer)
+    params = {"embed": normal(V, D), "layers": layers, "final_norm": jnp.ones((D,))}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = normal(V, D)
+    return params
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [R/2] for the rotated width R = cfg.rotary_dim, Llama-3 scaled if set."""
+    exponents = np.arange(0, cfg.rotary_dim, 2, dtype=np.float64) / cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    scaling = cfg.rope_scaling
+    if scaling is not None:
+        # Llama 3.1: low frequencies divided by `factor`, high kept, a smooth ramp between.
+        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        ramped = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        inv_freq = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv_freq = np.where(is_medium, ramped, inv_freq)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int) -> jax.Array:
+    """Rotate-half RoPE on the leading `rotary_dim` of the head axis; the rest passes through.
+
+    x: [heads, H, B, T] (feature-major); cos, sin: [R/2, B, T].
+    """
+    half = rotary_dim // 2
+    x1, x2, rest = x[:, :half], x[:, half:rotary_dim], x[:, rotary_dim:]
+    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    return jnp.concatenate(rotated + ([rest] if rest.shape[1] else []), axis=1)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0) -> jax.Array:
+    """RMSNorm over `axis` (the feature axis: 0 for [D, B*T], 1 for [heads, H, B, T])."""
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    variance = jnp.mean(jnp.square(x), axis=axis, keepdims=True)
+    return x * jax.lax.rsqrt(variance + eps) * weight.reshape(shape)
+
+
+def _project(w: jax.Array, h: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    out = w @ h  # [out, in] @ [in, B*T] -> [out, B*T]
+    return out if bias is None else out + bias[:, None]
+
+
+def _attention(
+    layer: Params, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
+    keys: jax.Array, values: jax.Array, offsets: jax.Array, batch: int, steps: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Self-attention of T new tokens per row over that row's cache. h: [D, B*T] (normed)."""
+    N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+    q = _project(layer["q_proj"], h, layer.get("q_bias")).reshape(N, H, batch, steps)
+    k = _project(layer["k_proj"], h, layer.get("k_bias")).reshape(K, H, batch, steps)
+    v = _project(layer["v_proj"], h, layer.get("v_bias")).reshape(K, H, batch, steps)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.norm_eps, axis=1)
+        k = rms_norm(k, layer["k_norm"], cfg.norm_eps, axis=1)
+    q = apply_rope(q, cos, sin, cfg.rotary_dim)
+    k = apply_rope(k, cos, sin, cfg.rotary_dim)
+
+    # The new keys/values land at each row's own offset; the mask below hides everything past it.
+    keys = write_rows(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets)  # [B, S, K, H]
+    values = write_rows(values, jnp.transpose(v, (2, 3, 0, 1)), offsets)
+
+    q = q.reshape(K, G, H, batch, steps) * (1.0 / math.sqrt(H))
+    scores = jnp.einsum("KGHBT,BSKH->BKGTS", q, keys, preferred_element_type=jnp.float32)
+    slot = offsets[:, None] + jnp.arange(steps)[None, :]  # [B, T]: cache slot of each query
+    visible = jnp.arange(keys.shape[1])[None, None, :] <= slot[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("BKGTS,BSKH->KGHBT", probs, values).reshape(N * H, batch * steps)
+    return layer["o_proj"] @ out, keys, values
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    cache: KVCache,
+    *,
+    positions: jax.Array | None = None,
+    logit_indices: jax.Array | None = None,
+    hidden_layers: tuple[int, ...] = (),
+) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
+    """Run T new tokens per row through the trunk.
+
+    tokens: int32[B, T], written to the cache at slots `cache.length[b] + t`. The cache comes back
+    with those K/V written but `length` unchanged: the caller commits (or not) by setting lengths.
+    positions: int32[B, T] RoPE positions, default the slots.
+    logit_indices: int32[B, P] which of the T positions need logits (prefill needs one per row);
+        default all T.
+    hidden_layers: residual stream after these layers (0-based; HF's hidden_states[i + 1]) is
+        returned in the order asked, each [B, T, D].
+
+    Returns logits float32[B, P, V], the requested hiddens, and the cache.
+    """
+    batch, steps = tokens.shape
+    offsets = cache.length
+    if positions is None:
+        positions = offsets[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    angles = rope_inv_freq(cfg)[:, None, None] * positions[None].astype(jnp.float32)  # [R/2, B, T]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+    h = jnp.take(params["embed"], tokens.reshape(-1), axis=0).T  # [D, B*T]
+    new_keys, new_values, hiddens = [], [], {}
+    for index, layer in enumerate(params["layers"]):
+        with jax.named_scope(f"layer_{index}"):
+            attn_out, k_buf, v_buf = _attention(
+                layer, cfg, rms_norm(h, layer["attn_norm"], cfg.norm_eps), cos, sin,
+                cache.keys[index], cache.values[index], offsets, batch, steps,
+            )
+            h = h + attn_out
+            x = rms_norm(h, layer["mlp_norm"], cfg.norm_eps)
+            gate, up = layer["gate_proj"] @ x, layer["up_proj"] @ x  # [F, B*T]
+            h = h + layer["down_proj"] @ (jax.nn.silu(gate) * up)
+        new_keys.append(k_buf)
+        new_values.append(v_buf)
+        if index in hidden_layers:
+            hiddens[index] = h
+
+    h = rms_norm(h, params["final_norm"], cfg.norm_eps).reshape(cfg.dim, batch, steps)
+    if logit_indices is not None:
+        h = jnp.take_along_axis(h, logit_indices[None], axis=2)  # [D, B, P]
+    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    positions_out = h.shape[2]
+    logits = (head @ h.reshape(cfg.dim, -1)).reshape(-1, batch, positions_out)  # [V, B, P]
+    logits = logits.transpose(1, 2, 0)  # [B, P, V]
+    hidden_out = tuple(hiddens[i].reshape(cfg.dim, batch, steps).transpose(1, 2, 0) for i in hidden_layers)
+    cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values))
+    return logits, hidden_out, cache
