@@ -1,0 +1,128 @@
+"""Token selection: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+
+The processed distribution is one function, `processed_logits`, so plain sampling and (later)
+lossless speculative verification draw from exactly the same distribution. Which filters run is
+static (`SamplerSpec`, part of the compiled program); their values are per-row arrays
+(`SamplingParams`), so a new temperature or top-p never recompiles. The order follows HF
+transformers: repetition penalty, temperature, top-k, top-p, min-p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerSpec:
+    """Which stages are compiled in. Hashable: static under jit."""
+
+    greedy: bool = True  # every row has temperature 0: argmax, no PRNG
+    top_k: bool = False
+    top_p: bool = False
+    min_p: bool = False
+    repetition_penalty: bool = False
+
+
+@struct.dataclass
+class SamplingParams:
+    temperature: jax.Array  # float32[B]; 0 selects greedy for that row
+    top_k: jax.Array  # int32[B]; 0 disables
+    top_p: jax.Array  # float32[B]; 1 disables
+    min_p: jax.Array  # float32[B]; 0 disables
+    repetition_penalty: jax.Array  # float32[B]; 1 disables
+
+    @classmethod
+    def create(cls, batch: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0):
+        def full(value, dtype):
+            return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
+
+        return cls(
+            temperature=full(temperature, jnp.float32),
+            top_k=full(top_k, jnp.int32),
+            top_p=full(top_p, jnp.float32),
+            min_p=full(min_p, jnp.float32),
+            repetition_penalty=full(repetition_penalty, jnp.float32),
+        )
+
+
+def spec_for(*, temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0) -> SamplerSpec:
+    """The smallest program that serves these (host-side, scalar or per-row) values."""
+    import numpy as np
+
+    return SamplerSpec(
+        greedy=bool(np.all(np.asarray(temperature) == 0)),
+        top_k=bool(np.any(np.asarray(top_k) > 0)),
+        top_p=bool(np.any(np.asarray(top_p) < 1)),
+        min_p=bool(np.any(np.asarray(min_p) > 0)),
+        repetition_penalty=bool(np.any(np.asarray(repetition_penalty) != 1)),
+    )
+
+
+def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
+    """HF's rule: a seen token's logit is divided by `penalty` if positive, multiplied if negative.
+
+    logits: [B, V]; seen: bool[B, V] (prompt and generated tokens); penalty: [B].
+    """
+    penalty = penalty[:, None]
+    penalized = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    return jnp.where(seen, penalized, logits)
+
+
+def processed_logits(logits: jax.Array, params: SamplingParams, spec: SamplerSpec) -> jax.Array:
+    """Temperature-scaled logits [B, V] with filtered tokens at -inf (after repetition penalty).
+
+    Rows with temperature 0 are scaled by 1 (they are decoded greedily by `select`).
+    """
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    scaled = logits.astype(jnp.float32) / temperature
+    if spec.top_k or spec.top_p:
+        # One descending sort serves both: the kept set is everything >= a threshold logit.
+        ordered = -jnp.sort(-scaled, axis=-1)  # [B, V]
+        vocab = scaled.shape[-1]
+        threshold = jnp.full(scaled.shape[:1], NEG_INF)
+        if spec.top_k:
+            k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+            threshold = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)[:, 0]
+            ordered = jnp.where(ordered >= threshold[:, None], ordered, NEG_INF)
+        if spec.top_p:
+            probs = jax.nn.softmax(ordered, axis=-1)
+            mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive prefix sum
+            # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+            within_mass = (mass_before < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
+            # Tokens top-k already removed stay removed; the top token always stays.
+            keep = (within_mass & (ordered > NEG_INF)) | (jnp.arange(vocab) == 0)
+            last_kept = jnp.sum(keep, axis=-1) - 1
+            threshold = jnp.take_along_axis(ordered, last_kept[:, None], axis=-1)[:, 0]
+        scaled = jnp.where(scaled >= threshold[:, None], scaled, NEG_INF)
+    if spec.min_p:
+        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p): no softmax needed.
+        floor = jnp.max(scaled, axis=-1) + jnp.log(jnp.maximum(params.min_p, 1e-30))
+        scaled = jnp.where((params.min_p[:, None] > 0) & (scaled < floor[:, None]), NEG_INF, scaled)
+    return scaled
+
+
+def select(
+    logits: jax.Array,
+    params: SamplingParams,
+    spec: SamplerSpec,
+    key: jax.Array | None,
+    seen: jax.Array | None = None,
+) -> jax.Array:
+    """Pick one token per row from logits [B, V]: argmax for temperature-0 rows, else a draw.
+
+    seen: bool[B, V], required when `spec.repetition_penalty`.
+    """
+    logits = logits.astype(jnp.float32)
+    if spec.repetition_penalty:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if spec.greedy:
+        return greedy_tokens
+    sampled = jax.random.categorical(key, processed_logits(logits, params, spec), axis=-1)
+    return jnp.where(params.temperature > 0, sampled.astype(jnp.int32), greedy_tokens)

@@ -1,0 +1,1 @@
+"""The speculative engine: proposers, verification, and the on-device round loop."""
