@@ -1,0 +1,16 @@
+"""jaxspec: exact, fast speculative decoding of language models in JAX.
+
+    model = jaxspec.load()                      # SmolLM2-135M-Instruct, the default
+    result = jaxspec.generate(model, None, "Tell me a joke", chat=True, max_new_tokens=64)
+    print(result.text[0], result.stats.decode_tokens_per_second)
+"""
+
+from jaxspec.api import DEFAULT_MODEL, GenerateResult, Model, SpecStats, Stream, generate, load, stream
+from jaxspec.config import Architecture, ModelConfig
+from jaxspec.errors import CheckpointError, InvalidRequestError, JaxspecError, UnsupportedModelError
+
+__all__ = [
+    "DEFAULT_MODEL", "Architecture", "CheckpointError", "GenerateResult", "InvalidRequestError",
+    "JaxspecError", "Model", "ModelConfig", "SpecStats", "Stream", "UnsupportedModelError",
+    "generate", "load", "stream",
+]

@@ -1,0 +1,360 @@
+"""The public API: `load`, `generate`, `stream`, and what they return.
+
+Everything a request can get wrong is checked here, on the host, before anything is traced: a
+bad prompt, token ids out of range, lengths past the context, sampling parameters out of range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import checkpoints
+from jaxspec.config import ModelConfig
+from jaxspec.errors import InvalidRequestError
+from jaxspec.sampling import SamplingParams, spec_for
+from jaxspec.spec import loop
+from jaxspec.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+MIN_PROMPT_BUCKET = 16
+MIN_OUTPUT_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    """What `load` returns and `generate` takes: config (static), params (arrays), tokenizer."""
+
+    config: ModelConfig
+    params: Any  # the trunk's params pytree (see jaxspec.models.llama)
+    tokenizer: Tokenizer | None = None
+    source: str | None = None
+
+
+def load(name_or_path: str = DEFAULT_MODEL, *, use_cache: bool = True, progress: bool = False) -> Model:
+    """Load a model: "smollm2-135m" (the default), a GGUF file, an HF or a converted directory."""
+    ckpt = checkpoints.load_checkpoint(name_or_path, use_cache=use_cache, progress=progress)
+    source = ckpt.tokenizer_source
+    tokenizer = Tokenizer.from_gguf_metadata(source) if isinstance(source, dict) else Tokenizer.from_dir(source)
+    return Model(config=ckpt.config, params=ckpt.params, tokenizer=tokenizer, source=str(ckpt.source))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecStats:
+    """Where the time went. Decode figures exclude prefill; compile time is reported apart."""
+
+    rows: int
+    prompt_tokens: int
+    new_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    compile_seconds: float
+    target_forwards: int  # decode forwards of the target (one per step or round)
+
+    @property
+    def decode_tokens(self) -> int:
+        # Each row's first token comes from the prefill forward; the rest from decode forwards.
+        return self.new_tokens - self.rows
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else math.nan
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.decode_tokens / self.target_forwards if self.target_forwards else math.nan
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    tokens: list[list[int]]  # generated ids per row (an EOS that ended the row included)
+    text: list[str] | None  # decoded per row (None without a tokenizer), stop strings cut off
+    finish_reason: list[str]  # "stop" | "length" | "capacity"
+    stats: SpecStats
+
+
+def _bucket(n: int, minimum: int) -> int:
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _as_batch(prompt, model: Model, chat: bool) -> list[list[int]]:
+    """Normalise a prompt (str, list of str, ids, batch of ids) to a list of id lists."""
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, Sequence) or len(prompt) == 0:
+        raise InvalidRequestError(f"prompt must be a non-empty string, list of strings or token ids; got {prompt!r:.80}")
+    if all(isinstance(p, (int, np.integer)) for p in prompt):
+        prompt = [list(prompt)]
+    rows = []
+    for index, item in enumerate(prompt):
+        if isinstance(item, str):
+            if model.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids, not text")
+            if not item:
+                raise InvalidRequestError(f"prompt {index} is an empty string")
+            ids = model.tokenizer.encode_chat(item) if chat else model.tokenizer.encode(item)
+        elif isinstance(item, (Sequence, np.ndarray)) and all(isinstance(t, (int, np.integer)) for t in item):
+            ids = [int(t) for t in item]
+        else:
+            raise InvalidRequestError(f"prompt {index} must be a string or a list of token ids; got {item!r:.80}")
+        if not ids:
+            raise InvalidRequestError(f"prompt {index} is empty")
+        bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt {index} has token id {bad[0]} outside the vocabulary [0, {model.config.vocab_size})")
+        rows.append(ids)
+    return rows
+
+
+def _check_sampling(temperature, top_k, top_p, min_p, repetition_penalty) -> None:
+    checks = [
+        (temperature, lambda v: v >= 0 and math.isfinite(v), "temperature must be >= 0"),
+        (top_p, lambda v: 0 < v <= 1, "top_p must be in (0, 1]"),
+        (top_k, lambda v: v >= 0 and float(v).is_integer(), "top_k must be an integer >= 0 (0 disables)"),
+        (min_p, lambda v: 0 <= v <= 1, "min_p must be in [0, 1]"),
+        (repetition_penalty, lambda v: v > 0 and math.isfinite(v), "repetition_penalty must be > 0"),
+    ]
+    for value, ok, message in checks:
+        for v in np.atleast_1d(np.asarray(value, dtype=np.float64)):
+            if not ok(float(v)):
+                raise InvalidRequestError(f"{message}; got {float(v)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    rows: list[list[int]]
+    request: loop.Request
+    spec: loop.LoopSpec
+    stop_strings: tuple[str, ...]
+
+
+def _prepare(model: Model, prompt, *, max_new_tokens, temperature, top_k, top_p, min_p,
+             repetition_penalty, seed, chat, stop, stop_token_ids, ignore_eos) -> _Prepared:
+    cfg = model.config
+    rows = _as_batch(prompt, model, chat)
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+    longest = max(len(r) for r in rows)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise InvalidRequestError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+            f"of {cfg.max_position_embeddings} tokens")
+    _check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
+    if not isinstance(seed, (int, np.integer)):
+        raise InvalidRequestError(f"seed must be an integer; got {seed!r}")
+
+    stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    stop_ids = set(int(t) for t in (stop_token_ids or ()))
+    for t in stop_ids:
+        if not 0 <= t < cfg.vocab_size:
+            raise InvalidRequestError(f"stop token id {t} is outside the vocabulary [0, {cfg.vocab_size})")
+    if not ignore_eos:
+        eos = model.tokenizer.eos_token_ids if model.tokenizer is not None else cfg.eos_token_ids
+        stop_ids |= set(eos)
+    stop_sequences = []
+    for text in stop_strings:
+        if not text:
+            raise InvalidRequestError("stop strings must be non-empty")
+        if model.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; pass stop_token_ids instead")
+        ids = tuple(model.tokenizer.encode(text, add_special_tokens=False))
+        # On device we stop on the string's own tokenization; the text is cut on the host too,
+        # which catches the string however it was tokenized.
+        if len(ids) == 1:
+            stop_ids.add(ids[0])
+        elif ids:
+            stop_sequences.append(ids)
+
+    batch = len(rows)
+    prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
+    capacity = min(_bucket(prompt_bucket + max_new_tokens, MIN_PROMPT_BUCKET), cfg.max_position_embeddings)
+    padded = np.zeros((batch, prompt_bucket), np.int32)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    request = loop.Request(
+        prompt=jnp.asarray(padded),
+        prompt_length=jnp.asarray([len(r) for r in rows], jnp.int32),
+        max_new_tokens=jnp.full((batch,), max_new_tokens, jnp.int32),
+        sampling=SamplingParams.create(batch, temperature=temperature, top_k=top_k, top_p=top_p,
+                                       min_p=min_p, repetition_penalty=repetition_penalty),
+        key=jax.random.PRNGKey(seed),
+    )
+    spec = loop.LoopSpec(
+        cfg=cfg,
+        capacity=capacity,
+        output_size=_bucket(max_new_tokens, MIN_OUTPUT_BUCKET),
+        sampler=spec_for(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                         repetition_penalty=repetition_penalty),
+        stop_token_ids=tuple(sorted(stop_ids)),
+        stop_sequences=tuple(stop_sequences),
+    )
+    return _Prepared(rows=rows, request=request, spec=spec, stop_strings=stop_strings)
+
+
+# Compiled programs, keyed by everything that shapes them (the static spec and array shapes).
+_compiled: dict[Any, Any] = {}
+
+
+def _shape_key(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves)
+
+
+def _compile(fn, params, *args, spec) -> tuple[Any, float]:
+    key = (fn, spec, _shape_key(params), _shape_key(args))
+    if key in _compiled:
+        return _compiled[key], 0.0
+    start = time.perf_counter()
+    compiled = fn.lower(params, *args, spec=spec).compile()
+    _compiled[key] = compiled
+    return compiled, time.perf_counter() - start
+
+
+def _cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> tuple[str, bool]:
+    cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def _finish(model: Model, prepared: _Prepared, tokens: list[list[int]], reasons: list[str],
+            stats: SpecStats) -> GenerateResult:
+    texts = None
+    if model.tokenizer is not None:
+        texts = []
+        for row, ids in enumerate(tokens):
+            text, was_cut = _cut_at_stop(model.tokenizer.decode(ids), prepared.stop_strings)
+            texts.append(text)
+            if was_cut:
+                reasons[row] = "stop"
+    return GenerateResult(tokens=tokens, text=texts, finish_reason=reasons, stats=stats)
+
+
+def generate(
+    model: Model,
+    draft_params: Any = None,
+    prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] = "",
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    seed: int = 0,
+    chat: bool = False,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+) -> GenerateResult:
+    """Generate from `model` as one on-device program (prefill + `lax.while_loop`).
+
+    `prompt` is a string, a list of strings (a batch), token ids, or a batch of token ids.
+    Greedy at temperature 0; otherwise sampled with the given filters and `seed` (same seed, same
+    output). Rows stop at EOS, a stop token or string, or `max_new_tokens`.
+    """
+    if draft_params is not None:
+        raise InvalidRequestError("draft-model speculation is not available in this version of jaxspec")
+    prepared = _prepare(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                        seed=seed, chat=chat, stop=stop, stop_token_ids=stop_token_ids,
+                        ignore_eos=ignore_eos)
+    program, compile_seconds = _compile(loop.run_jit, model.params, prepared.request, spec=prepared.spec)
+    loop._prefill_done_at.clear()
+    start = time.perf_counter()
+    state = jax.block_until_ready(program(model.params, prepared.request))
+    end = time.perf_counter()
+    prefill_done = loop._prefill_done_at[-1] if loop._prefill_done_at else start
+
+    counts = np.asarray(state.num_generated)
+    output = np.asarray(state.output)
+    tokens = [output[row, : counts[row]].tolist() for row in range(len(prepared.rows))]
+    reasons = [loop.FINISH_NAMES[int(r)] for r in np.asarray(state.finish_reason)]
+    stats = SpecStats(
+        rows=len(prepared.rows),
+        prompt_tokens=sum(len(r) for r in prepared.rows),
+        new_tokens=int(counts.sum()),
+        prefill_seconds=prefill_done - start,
+        decode_seconds=end - prefill_done,
+        compile_seconds=compile_seconds,
+        target_forwards=int(state.target_forwards),
+    )
+    return _finish(model, prepared, tokens, reasons, stats)
+
+
+class Stream:
+    """Iterates over text (or, without a tokenizer, token ids) as tokens are committed.
+
+    After iteration, `.result` holds the `GenerateResult`. Batch size 1 only.
+    """
+
+    def __init__(self, model: Model, prompt, **kwargs):
+        self._model = model
+        self._prepared = _prepare(model, prompt, **kwargs)
+        if len(self._prepared.rows) != 1:
+            raise InvalidRequestError("stream() takes one prompt; use generate() for a batch")
+        self.result: GenerateResult | None = None
+
+    def __iter__(self) -> Iterator[str | int]:
+        model, prepared = self._model, self._prepared
+        prefill, compile_prefill = _compile(loop.prefill_jit, model.params, prepared.request,
+                                            spec=prepared.spec)
+        state_shape = jax.eval_shape(functools.partial(loop.prefill, spec=prepared.spec),
+                                     model.params, prepared.request)
+        step, compile_step = _compile(loop.decode_step_jit, model.params, state_shape,
+                                      prepared.request, spec=prepared.spec)
+        decoder = model.tokenizer.stream_decoder() if model.tokenizer is not None else None
+        # Text not yet yielded: with stop strings, the tail that could begin one is held back.
+        hold = max((len(s) for s in prepared.stop_strings), default=1) - 1
+        unsent, emitted, stopped_by_string = "", 0, False
+
+        start = time.perf_counter()
+        state = prefill(model.params, prepared.request)
+        count = int(state.num_generated[0])
+        prefill_done = time.perf_counter()
+        while True:
+            new = np.asarray(state.output[0, emitted:count]).tolist()
+            emitted = count
+            if decoder is None:
+                yield from new
+            else:
+                unsent += "".join(decoder.feed(token) for token in new)
+                unsent, stopped_by_string = _cut_at_stop(unsent, prepared.stop_strings)
+                ready = len(unsent) if stopped_by_string else len(unsent) - hold
+                if ready > 0:
+                    yield unsent[:ready]
+                    unsent = unsent[ready:]
+            if stopped_by_string or not bool(state.running[0]):
+                break
+            state = step(model.params, state, prepared.request)
+            count = int(state.num_generated[0])
+        if unsent:
+            yield unsent
+        end = time.perf_counter()
+        tokens = [np.asarray(state.output[0, :count]).tolist()]
+        reasons = ["stop" if stopped_by_string else loop.FINISH_NAMES[int(state.finish_reason[0])]]
+        stats = SpecStats(
+            rows=1, prompt_tokens=len(prepared.rows[0]), new_tokens=count,
+            prefill_seconds=prefill_done - start, decode_seconds=end - prefill_done,
+            compile_seconds=compile_prefill + compile_step, target_forwards=int(state.target_forwards),
+        )
+        self.result = _finish(model, prepared, tokens, reasons, stats)
+
+
+def stream(model: Model, prompt, **kwargs) -> Stream:
+    """Like `generate` for one prompt, but yields text deltas as they are committed."""
+    return Stream(model, prompt, **{**_GENERATE_DEFAULTS, **kwargs})
+
+
+_GENERATE_DEFAULTS = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                          repetition_penalty=1.0, seed=0, chat=False, stop=None, stop_token_ids=None,
+                          ignore_eos=False)
