@@ -1,0 +1,638 @@
+"""Text <-> token ids for the models jaxspec serves, from an HF directory or a GGUF's metadata.
+
+Both sources end in one HF `tokenizers.Tokenizer` (Rust, fast) wrapped by `Tokenizer`, which owns
+what the Rust object does not know: whether to prepend BOS, which ids end a turn, the chat template.
+Our `encode` never runs a `tokenizer.json` post-processor; BOS/EOS are added from explicit flags so
+that the HF and GGUF paths cannot disagree about them.
+
+A GGUF carries no `tokenizer.json`, only llama.cpp's description of one (tokens, merges, token
+types and a pre-tokenizer *name*). The pre-tokenizer is rebuilt from the regexes llama.cpp uses for
+that name (`src/llama-vocab.cpp`, `llm_tokenizer_bpe`), applied the way llama.cpp applies them: each
+regex in turn splits every piece further, keeping matched and unmatched text as pieces (HF
+`Split(behavior="isolated")`), then byte-level encoding without a regex of its own.
+
+Decoding never applies HF's `clean_up_tokenization_spaces`: it rewrites " ." to "." and so would
+break both `decode(encode(s)) == s` and streaming (`StreamDecoder`), which must add up to `decode`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import functools
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from jaxspec.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StreamDecoder", "Tokenizer"]
+
+
+class TokenType(enum.IntEnum):
+    """`tokenizer.ggml.token_type` values (llama.cpp `llama_token_type`)."""
+
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# --- llama.cpp pre-tokenizers -------------------------------------------------------------------
+# The regexes are llama.cpp's (`llm_tokenizer_bpe` constructor), verbatim; llama.cpp rewrote the
+# case-insensitive `(?i:'s|...)` of the original tokenizer.json files as `'[sS]|...`.
+
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _PreTokenizerSpec:
+    """How llama.cpp splits text for one `tokenizer.ggml.pre` value."""
+
+    regexes: tuple[str, ...]
+    # llama.cpp looks a whole pre-token up in the vocab before merging (Llama 3's tokenizer.json
+    # sets `ignore_merges` too): some of its tokens are not reachable by the merges alone.
+    ignore_merges: bool = False
+    # What llama.cpp assumes when the file has no `tokenizer.ggml.add_bos_token`.
+    add_bos: bool = False
+
+
+_DEFAULT_SPEC = _PreTokenizerSpec(
+    regexes=(r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]")
+)
+_GPT2_SPEC = _PreTokenizerSpec(regexes=(_GPT2_REGEX,))
+# Every digit is its own piece, then GPT-2's regex: SmolLM's tokenizer.json says the same as
+# Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)].
+_DIGITS_GPT2_SPEC = _PreTokenizerSpec(regexes=(r"\p{N}", _GPT2_REGEX))
+_LLAMA3_SPEC = _PreTokenizerSpec(regexes=(_LLAMA3_REGEX,), ignore_merges=True, add_bos=True)
+_QWEN2_SPEC = _PreTokenizerSpec(regexes=(_QWEN2_REGEX,))
+
+# `tokenizer.ggml.pre` -> spec; names and groupings as in llama.cpp's `llama_vocab::impl::load`.
+_PRE_TOKENIZERS: dict[str, _PreTokenizerSpec] = {
+    "default": _DEFAULT_SPEC,
+    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais"), _GPT2_SPEC),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
+        _DIGITS_GPT2_SPEC,
+    ),
+    **dict.fromkeys(
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "dbrx",
+            "smaug-bpe",
+        ),
+        _LLAMA3_SPEC,
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _QWEN2_SPEC),
+}
+
+# Tokens that end an assistant turn in common chat templates. One of them counts as an end token
+# only if the model's template writes it, so a base model's `<|endoftext|>` does not cut a chat short.
+_END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|eom_id|>",
+    "<end_of_turn>",
+    "<|end|>",
+)
+
+
+@functools.cache
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, in which byte-level vocabularies are spelled."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    mapping = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in mapping:
+            mapping[byte] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _byte_level_spelling(token: str) -> str:
+    """A token as a byte-level vocabulary spells it; most GGUF tokens already are."""
+    alphabet = _bytes_to_unicode()
+    if set(token) <= set(alphabet.values()):
+        return token
+    return "".join(alphabet[byte] for byte in token.encode("utf-8"))
+
+
+def _gguf_byte_level_tokenizer(
+    tokens: Sequence[str],
+    merges: Sequence[str],
+    token_types: Sequence[int],
+    spec: _PreTokenizerSpec,
+) -> tokenizers.Tokenizer:
+    """Byte-level BPE from llama.cpp's gpt2 vocabulary, with its special tokens made whole."""
+    # Control, unknown and user-defined tokens are matched whole in the text before BPE runs (as
+    # llama.cpp does), so they keep their literal spelling: re-spelling "<think>\n" byte-level would
+    # make the added token a *new* id instead of the one the model was trained with.
+    whole = {TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED}
+    vocab: dict[str, int] = {}
+    for token_id, (token, token_type) in enumerate(zip(tokens, token_types, strict=True)):
+        spelled = token if token_type in whole else _byte_level_spelling(token)
+        vocab.setdefault(spelled, token_id)
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=spec.ignore_merges)
+    hf = tokenizers.Tokenizer(bpe)
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(tokenizers.Regex(regex), behavior="isolated") for regex in spec.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    hf.decoder = decoders.ByteLevel()
+    added = [
+        tokenizers.AddedToken(token, special=token_type != TokenType.USER_DEFINED, normalized=False)
+        for token, token_type in zip(tokens, token_types, strict=True)
+        if token_type in whole
+    ]
+    hf.add_special_tokens([token for token in added if token.special])
+    hf.add_tokens([token for token in added if not token.special])
+    return hf
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+
+
+class Tokenizer:
+    """A model's tokenizer: `encode`, `encode_chat`, `decode`, `stream_decoder`.
+
+    Build it with `from_dir` (an HF checkpoint) or `from_gguf_metadata`; the constructor takes an
+    already configured HF `tokenizers.Tokenizer` plus what the model's files say around it.
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: tokenizers.Tokenizer,
+        *,
+        vocab_size: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+        pad_token_id: int | None = None,
+        unk_token_id: int | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        chat_template: str | None = None,
+    ):
+        self._hf = hf_tokenizer
+        self._vocab_size = (
+            vocab_size
+            if vocab_size is not None
+            else hf_tokenizer.get_vocab_size(with_added_tokens=True)
+        )
+        self._bos_token_id = bos_token_id
+        self._eos_token_id = eos_token_id
+        self._pad_token_id = pad_token_id
+        self._unk_token_id = unk_token_id
+        self._add_bos = add_bos and bos_token_id is not None
+        self._add_eos = add_eos and eos_token_id is not None
+        self._chat_template = chat_template
+        for name, token_id in (("bos", bos_token_id), ("eos", eos_token_id), ("pad", pad_token_id)):
+            if token_id is not None and not 0 <= token_id < self._vocab_size:
+                raise CheckpointError(
+                    f"{name}_token_id={token_id} is outside the vocabulary ({self._vocab_size})"
+                )
+
+        eos_ids = [] if eos_token_id is None else [eos_token_id]
+        eos_ids += [i for i in extra_eos_token_ids if 0 <= i < self._vocab_size]
+        for token in _END_OF_TURN_TOKENS:
+            token_id = hf_tokenizer.token_to_id(token)
+            if token_id is not None and chat_template is not None and token in chat_template:
+                eos_ids.append(token_id)
+        self._eos_token_ids = tuple(dict.fromkeys(eos_ids))  # ordered, unique
+
+    # --- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """The tokenizer a GGUF describes, from its metadata (keys exactly as in the file).
+
+        Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is supported; the split regexes are
+        llama.cpp's for `tokenizer.ggml.pre`, the ground truth for what a GGUF means.
+        """
+        model = metadata.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise UnsupportedModelError(
+                f"tokenizer.ggml.model={model!r} is not supported; only byte-level BPE ('gpt2') is"
+            )
+        pre = metadata.get("tokenizer.ggml.pre")
+        if pre is None:
+            # llama.cpp does the same, and warns that quality degrades.
+            logger.warning("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer")
+            pre = "default"
+        spec = _PRE_TOKENIZERS.get(pre)
+        if spec is None:
+            raise UnsupportedModelError(
+                f"tokenizer.ggml.pre={pre!r} is not a supported pre-tokenizer; supported: "
+                f"{', '.join(sorted(_PRE_TOKENIZERS))}"
+            )
+        try:
+            tokens = list(metadata["tokenizer.ggml.tokens"])
+            merges = list(metadata["tokenizer.ggml.merges"])
+        except KeyError as e:
+            raise CheckpointError(f"GGUF metadata lacks {e.args[0]}, needed for a BPE tokenizer") from e
+        token_types = list(metadata.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens)))
+        if len(token_types) != len(tokens):
+            raise CheckpointError(
+                f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
+            )
+
+        def token_id(key: str) -> int | None:
+            value = metadata.get(f"tokenizer.ggml.{key}")
+            return None if value is None else int(value)
+
+        return cls(
+            _gguf_byte_level_tokenizer(tokens, merges, token_types, spec),
+            vocab_size=len(tokens),
+            bos_token_id=token_id("bos_token_id"),
+            eos_token_id=token_id("eos_token_id"),
+            extra_eos_token_ids=[
+                i for i in [token_id("eot_token_id"), token_id("eom_token_id")] if i is not None
+            ],
+            pad_token_id=token_id("padding_token_id"),
+            unk_token_id=token_id("unknown_token_id"),
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", spec.add_bos)),
+            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=metadata.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """The tokenizer of an HF checkpoint directory.
+
+        Reads tokenizer.json (required), tokenizer_config.json (special tokens, add_bos_token,
+        chat_template), chat_template.jinja (newer transformers save the template there) and
+        generation_config.json (its eos_token_id, often a list, all end generation).
+        """
+        path = os.fspath(path)
+        tokenizer_json = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tokenizer_json):
+            raise CheckpointError(f"{path} has no tokenizer.json")
+        try:
+            hf = tokenizers.Tokenizer.from_file(tokenizer_json)
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise CheckpointError(f"cannot load {tokenizer_json}: {e}") from e
+
+        config_path = os.path.join(path, "tokenizer_config.json")
+        config = _read_json(config_path) if os.path.isfile(config_path) else {}
+        generation_path = os.path.join(path, "generation_config.json")
+        generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
+
+        def special_id(name: str) -> int | None:
+            content = _token_content(config.get(f"{name}_token"))
+            return None if content is None else hf.token_to_id(content)
+
+        bos_id, eos_id = special_id("bos"), special_id("eos")
+        if bos_id is None and isinstance(generation.get("bos_token_id"), int):
+            bos_id = generation["bos_token_id"]
+        generation_eos = generation.get("eos_token_id", [])
+        generation_eos = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
+        if eos_id is None and generation_eos:
+            eos_id = generation_eos[0]
+
+        chat_template = config.get("chat_template")
+        if isinstance(chat_template, list):  # [{"name": ..., "template": ...}], as HF saves several
+            by_name = {
+                t.get("name"): t.get("template") for t in chat_template if isinstance(t, Mapping)
+            }
+            chat_template = by_name.get("default")
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if chat_template is None and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                chat_template = f.read()
+
+        return cls(
+            hf,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            extra_eos_token_ids=generation_eos,
+            pad_token_id=special_id("pad"),
+            unk_token_id=special_id("unk"),
+            add_bos=_adds_token(hf, config.get("add_bos_token"), bos_id, first=True),
+            add_eos=_adds_token(hf, config.get("add_eos_token"), eos_id, first=False),
+            chat_template=chat_template if isinstance(chat_template, str) else None,
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write tokenizer.json + tokenizer_config.json, so that `from_dir(path)` gives this back."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        self._hf.save(os.path.join(path, "tokenizer.json"))
+
+        def content(token_id: int | None) -> str | None:
+            return None if token_id is None else self._hf.id_to_token(token_id)
+
+        config = {
+            "bos_token": content(self._bos_token_id),
+            "eos_token": content(self._eos_token_id),
+            "pad_token": content(self._pad_token_id),
+            "unk_token": content(self._unk_token_id),
+            "add_bos_token": self._add_bos,
+            "add_eos_token": self._add_eos,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": self._chat_template,
+        }
+        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(
+                {k: v for k, v in config.items() if v is not None}, f, ensure_ascii=False, indent=2
+            )
+        if extra := [i for i in self._eos_token_ids if i != self._eos_token_id]:
+            with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
+                json.dump({"eos_token_id": [self._eos_token_id, *extra]}, f)
+
+    # --- properties ------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (V), added tokens included; every id in [0, V) decodes."""
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's one declared EOS; see `eos_token_ids` for everything that ends generation."""
+        return self._eos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: EOS, end-of-turn tokens the chat template writes, and
+        generation_config's list. A chat model often stops with `<|im_end|>`/`<|eot_id|>`, not EOS."""
+        return self._eos_token_ids
+
+    @property
+    def pad_token_id(self) -> int:
+        """The id padded positions hold; EOS when the model names none (padding is masked anyway)."""
+        if self._pad_token_id is not None:
+            return self._pad_token_id
+        if self._eos_token_id is not None:
+            return self._eos_token_id
+        return 0
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether `encode(..., add_special_tokens=True)` prepends BOS."""
+        return self._add_bos
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @property
+    def hf_tokenizer(self) -> tokenizers.Tokenizer:
+        """The wrapped Rust tokenizer (its post-processor is never used by `encode`)."""
+        return self._hf
+
+    # --- encode / decode -------------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Special-token text such as "<|im_start|>" becomes its single id.
+
+        With `add_special_tokens`, BOS (and EOS) are added only where the model asks for them
+        (`add_bos_token`); SmolLM2 asks for neither.
+        """
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            if self._add_bos:
+                ids = [self._bos_token_id, *ids]
+            if self._add_eos:
+                ids = [*ids, self._eos_token_id]
+        return ids
+
+    def render_chat(
+        self,
+        messages: str | Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text the model's chat template makes of `messages`, as transformers renders it.
+
+        `messages` is a user turn's text or a list of {"role", "content"} dicts. `template_kwargs`
+        are extra template variables (e.g. `enable_thinking` for Qwen3).
+        """
+        if self._chat_template is None:
+            raise InvalidRequestError(
+                "this model has no chat template; encode a raw prompt with encode()"
+            )
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        messages = list(messages)
+        if not messages:
+            raise InvalidRequestError("a chat needs at least one message")
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+                raise InvalidRequestError(f"message {i} must be a mapping with 'role' and 'content'")
+
+        def content(token_id: int | None) -> str | None:
+            return None if token_id is None else self._hf.id_to_token(token_id)
+
+        variables = {
+            "bos_token": content(self._bos_token_id),
+            "eos_token": content(self._eos_token_id),
+            "pad_token": content(self._pad_token_id),
+            "unk_token": content(self._unk_token_id),
+            **(template_kwargs or {}),
+        }
+        try:
+            return _compile_chat_template(self._chat_template).render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **{k: v for k, v in variables.items() if v is not None},
+            )
+        except jinja2.TemplateError as e:
+            raise InvalidRequestError(f"chat template rejected the conversation: {e}") from e
+
+    def encode_chat(
+        self,
+        messages: str | Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of the chat prompt; equal to transformers'
+        `apply_chat_template(messages, tokenize=True, add_generation_prompt=...)`.
+
+        No BOS is added: the template writes every special token the model wants, as in HF.
+        """
+        text = self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
+        )
+        return self.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. Control tokens (`<|im_end|>`, ...) are dropped when `skip_special_tokens`.
+
+        Raises InvalidRequestError naming the first id outside [0, vocab_size); HF would silently
+        drop it, which would hide a sampling bug.
+        """
+        return self._hf.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, *, skip_special_tokens: bool = True) -> StreamDecoder:
+        """A fresh incremental detokenizer for one generated sequence."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    def _check_ids(self, ids: Iterable[int]) -> list[int]:
+        checked = [int(i) for i in ids]
+        for token_id in checked:
+            if not 0 <= token_id < self._vocab_size:
+                raise InvalidRequestError(
+                    f"token id {token_id} is out of range for vocab_size={self._vocab_size}"
+                )
+        return checked
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self._vocab_size}, bos={self._bos_token_id}, "
+            f"eos={self._eos_token_ids}, add_bos={self._add_bos})"
+        )
+
+
+def _adds_token(
+    hf: tokenizers.Tokenizer, configured: Any, token_id: int | None, *, first: bool
+) -> bool:
+    """Whether an HF directory's tokenizer adds BOS (`first`) or EOS around a text.
+
+    tokenizer_config.json's flag wins; without one, what tokenizer.json's post-processor does
+    (Llama 3 adds `<|begin_of_text|>` only there).
+    """
+    if token_id is None:
+        return False
+    if isinstance(configured, bool):
+        return configured
+    with_special = hf.encode("a", add_special_tokens=True).ids
+    without = hf.encode("a", add_special_tokens=False).ids
+    if len(with_special) == len(without):
+        return False
+    return (with_special[0] if first else with_special[-1]) == token_id
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_chat_template(template: str) -> jinja2.Template:
+    """Compile a chat template in the environment transformers uses, so output matches it byte for byte.
+
+    Sandboxed because templates come with downloaded checkpoints; `trim_blocks`/`lstrip_blocks`
+    and the `tojson`/`raise_exception`/`strftime_now` helpers are what templates are written for.
+    """
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        # Jinja's own tojson HTML-escapes, which would change the prompt.
+        return json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.datetime.now().strftime(fmt)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise CheckpointError(f"chat template does not compile: {e}") from e
+
+
+class StreamDecoder:
+    """Incremental detokenization: feed committed ids, get back the text that is now final.
+
+    The pieces returned by `feed` and then `flush` concatenate to exactly `decode(all ids)`. Text is
+    held back while its decoded tail ends in U+FFFD (a UTF-8 character split across tokens), so a
+    half character is never emitted. Each step decodes a small window starting a little before the
+    new ids rather than everything so far, so a long generation costs O(1) per token; the window's
+    earlier part gives decoders that look at neighbours (SentencePiece's leading-space strip) the
+    same context as a full decode.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []  # ids from the window start on; earlier ones are dropped
+        self._prefix_offset = 0  # window start: text before it was emitted at a clean boundary
+        self._read_offset = 0  # ids[:read_offset] are emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer._hf.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def feed(self, token_ids: int | Iterable[int]) -> str:
+        """Append committed ids; return the newly final text ("" while a character is incomplete)."""
+        new_ids = [token_ids] if isinstance(token_ids, int) else token_ids
+        self._ids.extend(self._tokenizer._check_ids(new_ids))
+        emitted = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
+        if len(text) <= len(emitted) or text.endswith("\ufffd"):
+            return ""
+        # The window moves to the end of what was just emitted; earlier ids are no longer needed.
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        return text[len(emitted) :]
+
+    def flush(self) -> str:
+        """The text still held back (a trailing incomplete character decodes to U+FFFD); call once,
+        at the end of the sequence."""
+        emitted = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
+        del self._ids[:]
+        self._prefix_offset = self._read_offset = 0
+        return text[len(emitted) :]
