@@ -337,6 +337,8 @@ class Stream:
                 break
             state = step(model.params, state, prepared.request)
             count = int(state.num_generated[0])
+        if decoder is not None and not stopped_by_string:
+            unsent += decoder.flush()  # a trailing incomplete character, if generation ended mid-way
         if unsent:
             yield unsent
         end = time.perf_counter()

@@ -1,0 +1,101 @@
+"""KV cache: per-row writes, rollback by length, and forward consistency across cache states."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.cache import KVCache, write_rows
+from jaxspec.models import llama
+from tests.conftest import TINY, max_relative_error
+
+
+def test_write_rows_lands_at_each_rows_offset():
+    buffer = jnp.zeros((2, 6, 1, 1))
+    new = jnp.arange(1, 7, dtype=jnp.float32).reshape(2, 3, 1, 1)  # row 0: 1 2 3, row 1: 4 5 6
+    out = write_rows(buffer, new, jnp.array([0, 2]))[..., 0, 0]
+    np.testing.assert_array_equal(out, [[1, 2, 3, 0, 0, 0], [0, 0, 4, 5, 6, 0]])
+
+
+def test_write_past_capacity_is_dropped_not_clamped():
+    buffer = jnp.arange(6, dtype=jnp.float32).reshape(1, 6, 1, 1)
+    new = jnp.full((1, 3, 1, 1), -1.0)
+    out = write_rows(buffer, new, jnp.array([5]))[..., 0, 0]
+    # Only slot 5 fits; slots 6 and 7 do not exist and must not land on 3 and 4 instead.
+    np.testing.assert_array_equal(out, [[0, 1, 2, 3, 4, -1]])
+
+
+def test_create_shapes_and_lengths():
+    cache = KVCache.create(TINY, batch=3, capacity=32)
+    assert len(cache.keys) == TINY.num_layers == len(cache.values)
+    assert cache.keys[0].shape == (3, 32, TINY.num_kv_heads, TINY.head_dim)
+    assert cache.capacity == 32 and cache.batch == 3
+    np.testing.assert_array_equal(cache.length, [0, 0, 0])
+    np.testing.assert_array_equal(cache.advance(jnp.array([1, 2, 0])).length, [1, 2, 0])
+
+
+@pytest.fixture(scope="module")
+def params():
+    return llama.init_params(TINY, jax.random.PRNGKey(1), scale=0.2)
+
+
+forward = jax.jit(llama.forward, static_argnums=1)
+
+
+def _logits(params, tokens, cache):
+    logits, _, cache = forward(params, TINY, jnp.asarray(tokens, jnp.int32), cache)
+    return logits, cache
+
+
+def test_incremental_decode_matches_full_forward(params):
+    tokens = np.random.RandomState(0).randint(0, TINY.vocab_size, (2, 12))
+    full, _ = _logits(params, tokens, KVCache.create(TINY, 2, 16))
+    cache = KVCache.create(TINY, 2, 16)
+    chunk, cache = _logits(params, tokens[:, :5], cache)
+    pieces = [chunk]
+    cache = cache.advance(jnp.array([5, 5]))
+    for t in range(5, 12, 3):  # then chunks of 3 (the shape of a verification round)
+        chunk, cache = _logits(params, tokens[:, t:t + 3], cache)
+        cache = cache.advance(jnp.array([chunk.shape[1]] * 2))
+        pieces.append(chunk)
+    assert max_relative_error(jnp.concatenate(pieces, axis=1), full) < 1e-5
+
+
+def test_rollback_by_length_forgets_rejected_tokens(params):
+    """Write 4 speculative tokens, keep 1, then continue: equal to never having written them."""
+    tokens = np.random.RandomState(1).randint(0, TINY.vocab_size, (1, 8))
+    wrong = np.random.RandomState(2).randint(0, TINY.vocab_size, (1, 4))
+    clean = KVCache.create(TINY, 1, 16)
+    _, clean = _logits(params, tokens[:, :6], clean)
+    clean = clean.advance(jnp.array([6]))
+    reference, _ = _logits(params, tokens[:, 6:], clean)
+
+    cache = KVCache.create(TINY, 1, 16)
+    _, cache = _logits(params, tokens[:, :5], cache)
+    cache = cache.advance(jnp.array([5]))
+    speculative = np.concatenate([tokens[:, 5:6], wrong[:, :3]], axis=1)
+    _, cache = _logits(params, speculative, cache)
+    cache = cache.advance(jnp.array([1]))  # accept only tokens[5]: the rest is rolled back
+    resumed, _ = _logits(params, tokens[:, 6:], cache)
+    assert max_relative_error(resumed, reference) < 1e-5
+
+
+def test_rows_with_different_lengths_are_independent(params):
+    """Row 0 at length 3 and row 1 at length 7 in one batch equal each row run alone."""
+    seqs = [np.random.RandomState(s).randint(0, TINY.vocab_size, (n,)) for s, n in ((3, 4), (4, 8))]
+    alone = []
+    for seq in seqs:
+        cache = KVCache.create(TINY, 1, 16)
+        _, cache = _logits(params, seq[None, :-1], cache)
+        cache = cache.advance(jnp.array([len(seq) - 1]))
+        logits, _ = _logits(params, seq[None, -1:], cache)
+        alone.append(logits[0, 0])
+    cache = KVCache.create(TINY, 2, 16)
+    padded = np.zeros((2, 7), np.int64)
+    padded[0, :3], padded[1, :7] = seqs[0][:-1], seqs[1][:-1]
+    _, cache = _logits(params, padded, cache)
+    cache = cache.set_length(jnp.array([3, 7]))
+    last = np.stack([seqs[0][-1:], seqs[1][-1:]])
+    batched, _ = _logits(params, last, cache)
+    for row in range(2):
+        assert max_relative_error(batched[row, 0], alone[row]) < 1e-5
