@@ -1,0 +1,83 @@
+"""`python -m jaxspec.cli generate | info | convert`.
+
+Bad input (a missing model, an out-of-range parameter) prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxspec import api, checkpoints
+from jaxspec.errors import JaxspecError
+
+EXIT_BAD_INPUT = 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jaxspec.cli", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="stream a completion, then one stats line")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=api.DEFAULT_MODEL,
+                     help="'smollm2-135m' (default), a .gguf file, an HF or a converted directory")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="apply the model's chat template (default: on when the model has one)")
+
+    info = commands.add_parser("info", help="describe a checkpoint from its headers")
+    info.add_argument("model", nargs="?", default=api.DEFAULT_MODEL)
+
+    convert = commands.add_parser("convert", help="convert a GGUF or HF checkpoint to a jaxspec directory")
+    convert.add_argument("source")
+    convert.add_argument("output")
+    convert.add_argument("--overwrite", action="store_true")
+    return parser
+
+
+def _generate(args) -> None:
+    model = api.load(args.model, progress=True)
+    chat = args.chat if args.chat is not None else bool(model.tokenizer and model.tokenizer.chat_template)
+    stream = api.stream(
+        model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        seed=args.seed, chat=chat, stop=args.stop,
+    )
+    for text in stream:
+        print(text, end="", flush=True)
+    stats = stream.result.stats
+    print(
+        f"\n[{stats.new_tokens} tokens, {stats.decode_tokens_per_second:.1f} tok/s decode, "
+        f"prefill {stats.prompt_tokens} tokens in {stats.prefill_seconds:.2f} s, "
+        f"compile {stats.compile_seconds:.1f} s, finish: {stream.result.finish_reason[0]}]",
+        file=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            _generate(args)
+        elif args.command == "info":
+            print(json.dumps(checkpoints.info(args.model), indent=2))
+        elif args.command == "convert":
+            out = checkpoints.convert(args.source, args.output, overwrite=args.overwrite, progress=True)
+            print(f"converted {args.source} -> {out}")
+    except JaxspecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
