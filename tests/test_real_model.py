@@ -1,0 +1,108 @@
+"""End to end on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers
+loading the same GGUF file (`gguf_file=`), which dequantizes it with its own code path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import jaxspec
+from jaxspec import checkpoints
+from jaxspec.cache import KVCache
+from jaxspec.models import llama
+from tests.conftest import assert_same_greedy, max_relative_error, requires_default_model
+
+pytestmark = [requires_default_model, pytest.mark.real_model]
+
+PROMPT = ("Speculative decoding lets a small draft model propose several tokens that the large "
+          "model then verifies in a single forward pass. Explain why the output is unchanged:")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxspec.load()
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import transformers
+
+    path = checkpoints.default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _hf_logits(hf_model, ids):
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_default_model_config(model):
+    cfg = model.config
+    assert (cfg.num_layers, cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    assert cfg.tie_embeddings and cfg.rotary_dim == 64 and cfg.rope_theta == 100000.0
+
+
+def test_logits_on_a_64_token_prompt_match_transformers(model, hf_model):
+    ids = model.tokenizer.encode(PROMPT * 3)[:64]
+    assert len(ids) == 64
+    logits, _, _ = llama.forward(model.params, model.config, np.asarray([ids], np.int32),
+                                 KVCache.create(model.config, 1, 64))
+    error = max_relative_error(logits[0], _hf_logits(hf_model, ids))
+    assert error <= 1e-3, f"max relative logits error {error:.2e}"
+
+
+def test_64_greedy_tokens_match_transformers(model, hf_model):
+    ids = model.tokenizer.encode_chat(PROMPT)
+    ours = jaxspec.generate(model, None, ids, max_new_tokens=64, ignore_eos=True).tokens[0]
+    with torch.no_grad():
+        # An explicit all-ones mask: HF would otherwise mask every pad-id token in the prompt.
+        reference = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      max_new_tokens=64, min_new_tokens=64,
+                                      do_sample=False, eos_token_id=None, pad_token_id=2)[0, len(ids):]
+    reference = reference.tolist()
+    assert_same_greedy(ours, reference, lambda step: _hf_logits(hf_model, ids + reference[:step])[-1])
+
+
+def test_batch_of_three_prompts_equals_each_alone(model):
+    prompts = ["What is 17 times 3?", "Write one sentence about the sea.",
+               "List three colours of the rainbow, then explain how rainbows form in two sentences."]
+    batch = jaxspec.generate(model, None, prompts, chat=True, max_new_tokens=24)
+    assert len({len(model.tokenizer.encode_chat(p)) for p in prompts}) == 3  # ragged prompts
+    for row, prompt in enumerate(prompts):
+        alone = jaxspec.generate(model, None, prompt, chat=True, max_new_tokens=24)
+        assert batch.tokens[row] == alone.tokens[0]
+        assert batch.text[row] == alone.text[0]
+
+
+def test_chat_answer_is_sensible_and_stops_at_end_of_turn(model):
+    result = jaxspec.generate(model, None, "What is the capital of France?", chat=True, max_new_tokens=48)
+    assert "Paris" in result.text[0]
+    assert result.finish_reason == ["stop"]
+    assert result.tokens[0][-1] in model.tokenizer.eos_token_ids
+
+
+def test_stream_text_equals_generate_text(model):
+    stream = jaxspec.stream(model, "Count from one to five in words.", chat=True, max_new_tokens=24)
+    streamed = "".join(stream)
+    whole = jaxspec.generate(model, None, "Count from one to five in words.", chat=True, max_new_tokens=24)
+    assert streamed == whole.text[0] == stream.result.text[0]
+
+
+def test_stop_string_cuts_text_and_stops(model):
+    prompt = "Write a short poem about the sea."
+    free = jaxspec.generate(model, None, prompt, chat=True, max_new_tokens=40)
+    stop = " " + free.text[0].split()[5]  # a word from the middle of the free-running answer
+    cut = free.text[0].index(stop)
+    stopped = jaxspec.generate(model, None, prompt, chat=True, max_new_tokens=40, stop=stop)
+    assert stopped.finish_reason == ["stop"]
+    assert stopped.text[0] == free.text[0][:cut]
+    assert len(stopped.tokens[0]) < len(free.tokens[0])  # it stopped on device, not just cut text
+
+
+def test_seeded_sampling_is_reproducible(model):
+    kwargs = dict(chat=True, max_new_tokens=16, temperature=0.8, top_p=0.9, top_k=40)
+    first = jaxspec.generate(model, None, "Tell me a story.", seed=11, **kwargs)
+    again = jaxspec.generate(model, None, "Tell me a story.", seed=11, **kwargs)
+    assert first.tokens == again.tokens
