@@ -21,12 +21,11 @@ from jaxspec import checkpoints
 from jaxspec.config import ModelConfig
 from jaxspec.errors import InvalidRequestError
 from jaxspec.sampling import SamplingParams, spec_for
-from jaxspec.spec import loop
+from jaxspec.spec import loop, proposers
 from jaxspec.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 MIN_PROMPT_BUCKET = 16
-MIN_OUTPUT_BUCKET = 16
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -49,19 +48,27 @@ def load(name_or_path: str = DEFAULT_MODEL, *, use_cache: bool = True, progress:
 
 @dataclasses.dataclass(frozen=True)
 class SpecStats:
-    """Where the time went. Decode figures exclude prefill; compile time is reported apart."""
+    """Where the time went and how speculation did. Decode figures exclude prefill; compile
+    time is reported apart. With no proposer, rounds are plain decode steps (tau = 1)."""
 
+    method: str  # "plain" | "ngram" | "draft" | "layer_skip"
+    num_draft_tokens: int  # k
     rows: int
     prompt_tokens: int
     new_tokens: int
     prefill_seconds: float
     decode_seconds: float
     compile_seconds: float
-    target_forwards: int  # decode forwards of the target (one per step or round)
+    target_forwards: int  # decode forwards of the target: loop iterations, all rows at once
+    rounds: int  # verify forwards summed over rows
+    proposed: int  # real draft tokens proposed, summed over rows and rounds
+    accepted: int  # draft tokens accepted
+    multi_token_rounds: int  # rounds that committed more than one token
+    acceptance_by_position: tuple[float, ...]  # P(draft i accepted | proposed), i = 1..k
 
     @property
     def decode_tokens(self) -> int:
-        # Each row's first token comes from the prefill forward; the rest from decode forwards.
+        # Each row's first token comes from the prefill forward; the rest from rounds.
         return self.new_tokens - self.rows
 
     @property
@@ -69,8 +76,13 @@ class SpecStats:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else math.nan
 
     @property
-    def tokens_per_forward(self) -> float:
-        return self.decode_tokens / self.target_forwards if self.target_forwards else math.nan
+    def tau(self) -> float:
+        """Mean accepted length: committed tokens per round, the bonus token included."""
+        return self.decode_tokens / self.rounds if self.rounds else math.nan
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else math.nan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +91,19 @@ class GenerateResult:
     text: list[str] | None  # decoded per row (None without a tokenizer), stop strings cut off
     finish_reason: list[str]  # "stop" | "length" | "capacity"
     stats: SpecStats
+
+
+def layer_skip(model: Model, exit_layer: int) -> Model:
+    """Self-speculation draft: the target's first `exit_layer` layers, then its final norm and
+    head (LayerSkip; HF's `assistant_early_exit`). Shares the target's weight arrays."""
+    layers = model.config.num_layers
+    if not isinstance(exit_layer, (int, np.integer)) or not 1 <= exit_layer < layers:
+        raise InvalidRequestError(f"exit_layer must be an integer in [1, {layers}); got {exit_layer!r}")
+    params = {name: value for name, value in model.params.items() if name != "layers"}
+    params["layers"] = list(model.params["layers"][:exit_layer])
+    config = dataclasses.replace(model.config, num_layers=int(exit_layer))
+    return Model(config=config, params=params, tokenizer=model.tokenizer,
+                 source=f"layer_skip({model.source}, exit_layer={exit_layer})")
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -131,28 +156,79 @@ def _check_sampling(temperature, top_k, top_p, min_p, repetition_penalty) -> Non
                 raise InvalidRequestError(f"{message}; got {float(v)!r}")
 
 
+METHODS = ("plain", "ngram", "draft", "layer_skip")
+MAX_DRAFT_TOKENS = 32  # beyond this a round costs far more than any acceptance can repay
+
+
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
     rows: list[list[int]]
     request: loop.Request
     spec: loop.LoopSpec
+    draft: Model | None
+    method: str
     stop_strings: tuple[str, ...]
 
 
-def _prepare(model: Model, prompt, *, max_new_tokens, temperature, top_k, top_p, min_p,
+def _proposer(model: Model, draft_params, method, num_draft_tokens, ngram_max, ngram_min,
+              exit_layer) -> tuple[str, proposers.Proposer | None, Model | None]:
+    """Resolve `method` (or infer it from `draft_params`) to a proposer and its draft model."""
+    if method is None:
+        method = "plain" if draft_params is None else "draft"
+    if method not in METHODS:
+        raise InvalidRequestError(f"method must be one of {METHODS}; got {method!r}")
+    if method == "plain":
+        if draft_params is not None:
+            raise InvalidRequestError("method='plain' takes no draft_params")
+        return method, None, None
+    k = num_draft_tokens
+    if not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise InvalidRequestError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}]; got {k!r}")
+    if method == "ngram":
+        if draft_params is not None:
+            raise InvalidRequestError("method='ngram' (prompt lookup) takes no draft_params")
+        if not (isinstance(ngram_min, int) and isinstance(ngram_max, int) and 1 <= ngram_min <= ngram_max <= 16):
+            raise InvalidRequestError(f"need 1 <= ngram_min <= ngram_max <= 16; got {ngram_min}, {ngram_max}")
+        return method, proposers.PromptLookup(num_draft=int(k), ngram_max=ngram_max, ngram_min=ngram_min), None
+    if method == "layer_skip":
+        if draft_params is None:
+            draft_params = layer_skip(model, exit_layer if exit_layer is not None else model.config.num_layers // 2)
+    elif draft_params is None:
+        raise InvalidRequestError("method='draft' needs draft_params: a model from jaxspec.load")
+    if not isinstance(draft_params, Model):
+        raise InvalidRequestError(f"draft_params must be a jaxspec Model (from jaxspec.load); got {type(draft_params).__name__}")
+    if draft_params.config.vocab_size != model.config.vocab_size:
+        raise InvalidRequestError(
+            f"the draft's vocabulary ({draft_params.config.vocab_size}) differs from the target's "
+            f"({model.config.vocab_size}); a draft model must share the target's tokenizer")
+    return method, proposers.DraftModel(num_draft=int(k), config=draft_params.config), draft_params
+
+
+def _prepare(model: Model, prompt, *, draft_params=None, method=None, num_draft_tokens=4, ngram_max=3,
+             ngram_min=1, exit_layer=None, max_new_tokens, temperature, top_k, top_p, min_p,
              repetition_penalty, seed, chat, stop, stop_token_ids, ignore_eos) -> _Prepared:
     cfg = model.config
+    method, proposer, draft = _proposer(model, draft_params, method, num_draft_tokens, ngram_max,
+                                        ngram_min, exit_layer)
+    k = 0 if proposer is None else proposer.num_draft
     rows = _as_batch(prompt, model, chat)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
     longest = max(len(r) for r in rows)
-    if longest + max_new_tokens > cfg.max_position_embeddings:
+    if longest + max_new_tokens + k > cfg.max_position_embeddings:
+        drafts = f" + num_draft_tokens ({k})" if k else ""
         raise InvalidRequestError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
-            f"of {cfg.max_position_embeddings} tokens")
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}){drafts} exceeds the model's "
+            f"context of {cfg.max_position_embeddings} tokens")
     _check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     if not isinstance(seed, (int, np.integer)):
         raise InvalidRequestError(f"seed must be an integer; got {seed!r}")
+    sampler = spec_for(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repetition_penalty=repetition_penalty)
+    if proposer is not None and not sampler.greedy:
+        raise InvalidRequestError(f"method={method!r} verifies greedily in this version: use temperature=0")
+    if proposer is not None and sampler.repetition_penalty:
+        raise InvalidRequestError(f"repetition_penalty is not supported with method={method!r}")
 
     stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
     stop_ids = set(int(t) for t in (stop_token_ids or ()))
@@ -178,7 +254,7 @@ def _prepare(model: Model, prompt, *, max_new_tokens, temperature, top_k, top_p,
 
     batch = len(rows)
     prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
-    capacity = min(_bucket(prompt_bucket + max_new_tokens, MIN_PROMPT_BUCKET), cfg.max_position_embeddings)
+    capacity = min(_bucket(prompt_bucket + max_new_tokens + k, MIN_PROMPT_BUCKET), cfg.max_position_embeddings)
     padded = np.zeros((batch, prompt_bucket), np.int32)
     for i, r in enumerate(rows):
         padded[i, : len(r)] = r
@@ -193,13 +269,13 @@ def _prepare(model: Model, prompt, *, max_new_tokens, temperature, top_k, top_p,
     spec = loop.LoopSpec(
         cfg=cfg,
         capacity=capacity,
-        output_size=_bucket(max_new_tokens, MIN_OUTPUT_BUCKET),
-        sampler=spec_for(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                         repetition_penalty=repetition_penalty),
+        sampler=sampler,
         stop_token_ids=tuple(sorted(stop_ids)),
         stop_sequences=tuple(stop_sequences),
+        proposer=proposer,
     )
-    return _Prepared(rows=rows, request=request, spec=spec, stop_strings=stop_strings)
+    return _Prepared(rows=rows, request=request, spec=spec, draft=draft, method=method,
+                     stop_strings=stop_strings)
 
 
 # Compiled programs, keyed by everything that shapes them (the static spec and array shapes).
@@ -211,12 +287,12 @@ def _shape_key(tree) -> tuple:
     return treedef, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves)
 
 
-def _compile(fn, params, *args, spec) -> tuple[Any, float]:
-    key = (fn, spec, _shape_key(params), _shape_key(args))
+def _compile(fn, *args, spec) -> tuple[Any, float]:
+    key = (fn, spec, _shape_key(args))
     if key in _compiled:
         return _compiled[key], 0.0
     start = time.perf_counter()
-    compiled = fn.lower(params, *args, spec=spec).compile()
+    compiled = fn.lower(*args, spec=spec).compile()
     _compiled[key] = compiled
     return compiled, time.perf_counter() - start
 
@@ -224,6 +300,34 @@ def _compile(fn, params, *args, spec) -> tuple[Any, float]:
 def _cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> tuple[str, bool]:
     cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def _generated(state: loop.DecodeState, rows: int) -> list[list[int]]:
+    history = np.asarray(state.tokens)
+    starts, counts = np.asarray(state.prompt_length), np.asarray(state.num_generated)
+    return [history[row, starts[row]: starts[row] + counts[row]].tolist() for row in range(rows)]
+
+
+def _stats(prepared: _Prepared, state: loop.DecodeState, *, prefill_seconds, decode_seconds,
+           compile_seconds, rows) -> SpecStats:
+    counters = jax.device_get(state.stats)
+    proposed_at, accepted_at = counters.proposed_at, counters.accepted_at
+    return SpecStats(
+        method=prepared.method,
+        num_draft_tokens=prepared.spec.num_draft,
+        rows=rows,
+        prompt_tokens=sum(len(r) for r in prepared.rows[:rows]),
+        new_tokens=int(np.asarray(state.num_generated)[:rows].sum()),
+        prefill_seconds=prefill_seconds,
+        decode_seconds=decode_seconds,
+        compile_seconds=compile_seconds,
+        target_forwards=int(state.target_forwards),
+        rounds=int(counters.rounds.sum()),
+        proposed=int(counters.proposed.sum()),
+        accepted=int(counters.accepted.sum()),
+        multi_token_rounds=int(counters.multi_token_rounds.sum()),
+        acceptance_by_position=tuple(float(a / p) if p else math.nan for a, p in zip(accepted_at, proposed_at)),
+    )
 
 
 def _finish(model: Model, prepared: _Prepared, tokens: list[list[int]], reasons: list[str],
@@ -241,9 +345,14 @@ def _finish(model: Model, prepared: _Prepared, tokens: list[list[int]], reasons:
 
 def generate(
     model: Model,
-    draft_params: Any = None,
+    draft_params: Model | None = None,
     prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] = "",
     *,
+    method: str | None = None,
+    num_draft_tokens: int = 4,
+    ngram_max: int = 3,
+    ngram_min: int = 1,
+    exit_layer: int | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -259,71 +368,67 @@ def generate(
     """Generate from `model` as one on-device program (prefill + `lax.while_loop`).
 
     `prompt` is a string, a list of strings (a batch), token ids, or a batch of token ids.
-    Greedy at temperature 0; otherwise sampled with the given filters and `seed` (same seed, same
-    output). Rows stop at EOS, a stop token or string, or `max_new_tokens`.
+    Speculation: `method` is "ngram" (prompt lookup), "draft" (`draft_params`, a model sharing
+    the vocabulary), "layer_skip" (the target's first `exit_layer` layers; default half), or
+    inferred from `draft_params`; `num_draft_tokens` (k) per round. Greedy speculative output
+    equals plain greedy output token for token.
+    Sampling at temperature > 0 with the given filters and `seed` (same seed, same output).
+    Rows stop at EOS, a stop token or string, or `max_new_tokens`.
     """
-    if draft_params is not None:
-        raise InvalidRequestError("draft-model speculation is not available in this version of jaxspec")
-    prepared = _prepare(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+    prepared = _prepare(model, prompt, draft_params=draft_params, method=method,
+                        num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min,
+                        exit_layer=exit_layer, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                         seed=seed, chat=chat, stop=stop, stop_token_ids=stop_token_ids,
                         ignore_eos=ignore_eos)
-    program, compile_seconds = _compile(loop.run_jit, model.params, prepared.request, spec=prepared.spec)
+    draft = prepared.draft.params if prepared.draft is not None else None
+    program, compile_seconds = _compile(loop.run_jit, model.params, draft, prepared.request, spec=prepared.spec)
     loop._prefill_done_at.clear()
     start = time.perf_counter()
-    state = jax.block_until_ready(program(model.params, prepared.request))
+    state = jax.block_until_ready(program(model.params, draft, prepared.request))
     end = time.perf_counter()
     prefill_done = loop._prefill_done_at[-1] if loop._prefill_done_at else start
 
-    counts = np.asarray(state.num_generated)
-    output = np.asarray(state.output)
-    tokens = [output[row, : counts[row]].tolist() for row in range(len(prepared.rows))]
+    rows = len(prepared.rows)
     reasons = [loop.FINISH_NAMES[int(r)] for r in np.asarray(state.finish_reason)]
-    stats = SpecStats(
-        rows=len(prepared.rows),
-        prompt_tokens=sum(len(r) for r in prepared.rows),
-        new_tokens=int(counts.sum()),
-        prefill_seconds=prefill_done - start,
-        decode_seconds=end - prefill_done,
-        compile_seconds=compile_seconds,
-        target_forwards=int(state.target_forwards),
-    )
-    return _finish(model, prepared, tokens, reasons, stats)
+    stats = _stats(prepared, state, prefill_seconds=prefill_done - start, decode_seconds=end - prefill_done,
+                   compile_seconds=compile_seconds, rows=rows)
+    return _finish(model, prepared, _generated(state, rows), reasons, stats)
 
 
 class Stream:
     """Iterates over text (or, without a tokenizer, token ids) as tokens are committed.
 
-    After iteration, `.result` holds the `GenerateResult`. Batch size 1 only.
+    After iteration, `.result` holds the `GenerateResult`. One prompt; any method.
     """
 
-    def __init__(self, model: Model, prompt, **kwargs):
+    def __init__(self, model: Model, prompt, draft_params=None, **kwargs):
         self._model = model
-        self._prepared = _prepare(model, prompt, **kwargs)
+        self._prepared = _prepare(model, prompt, draft_params=draft_params, **kwargs)
         if len(self._prepared.rows) != 1:
             raise InvalidRequestError("stream() takes one prompt; use generate() for a batch")
         self.result: GenerateResult | None = None
 
     def __iter__(self) -> Iterator[str | int]:
         model, prepared = self._model, self._prepared
-        prefill, compile_prefill = _compile(loop.prefill_jit, model.params, prepared.request,
-                                            spec=prepared.spec)
-        state_shape = jax.eval_shape(functools.partial(loop.prefill, spec=prepared.spec),
-                                     model.params, prepared.request)
-        step, compile_step = _compile(loop.decode_step_jit, model.params, state_shape,
-                                      prepared.request, spec=prepared.spec)
+        draft = prepared.draft.params if prepared.draft is not None else None
+        args = (model.params, draft)
+        prefill, compile_prefill = _compile(loop.prefill_jit, *args, prepared.request, spec=prepared.spec)
+        state_shape = jax.eval_shape(functools.partial(loop.prefill, spec=prepared.spec), *args,
+                                     prepared.request)
+        step, compile_step = _compile(loop.round_step_jit, *args, state_shape, prepared.request,
+                                      spec=prepared.spec)
         decoder = model.tokenizer.stream_decoder() if model.tokenizer is not None else None
         # Text not yet yielded: with stop strings, the tail that could begin one is held back.
         hold = max((len(s) for s in prepared.stop_strings), default=1) - 1
         unsent, emitted, stopped_by_string = "", 0, False
 
         start = time.perf_counter()
-        state = prefill(model.params, prepared.request)
-        count = int(state.num_generated[0])
+        state = prefill(*args, prepared.request)
         prefill_done = time.perf_counter()
         while True:
-            new = np.asarray(state.output[0, emitted:count]).tolist()
-            emitted = count
+            new = _generated(state, 1)[0][emitted:]
+            emitted += len(new)
             if decoder is None:
                 yield from new
             else:
@@ -335,26 +440,21 @@ class Stream:
                     unsent = unsent[ready:]
             if stopped_by_string or not bool(state.running[0]):
                 break
-            state = step(model.params, state, prepared.request)
-            count = int(state.num_generated[0])
+            state = step(*args, state, prepared.request)
         if decoder is not None and not stopped_by_string:
             unsent += decoder.flush()  # a trailing incomplete character, if generation ended mid-way
         if unsent:
             yield unsent
         end = time.perf_counter()
-        tokens = [np.asarray(state.output[0, :count]).tolist()]
         reasons = ["stop" if stopped_by_string else loop.FINISH_NAMES[int(state.finish_reason[0])]]
-        stats = SpecStats(
-            rows=1, prompt_tokens=len(prepared.rows[0]), new_tokens=count,
-            prefill_seconds=prefill_done - start, decode_seconds=end - prefill_done,
-            compile_seconds=compile_prefill + compile_step, target_forwards=int(state.target_forwards),
-        )
-        self.result = _finish(model, prepared, tokens, reasons, stats)
+        stats = _stats(prepared, state, prefill_seconds=prefill_done - start, decode_seconds=end - prefill_done,
+                       compile_seconds=compile_prefill + compile_step, rows=1)
+        self.result = _finish(model, prepared, _generated(state, 1), reasons, stats)
 
 
-def stream(model: Model, prompt, **kwargs) -> Stream:
-    """Like `generate` for one prompt, but yields text deltas as they are committed."""
-    return Stream(model, prompt, **{**_GENERATE_DEFAULTS, **kwargs})
+def stream(model: Model, prompt, draft_params: Model | None = None, **kwargs) -> Stream:
+    """Like `generate` for one prompt (any method), but yields text deltas as they are committed."""
+    return Stream(model, prompt, draft_params, **{**_GENERATE_DEFAULTS, **kwargs})
 
 
 _GENERATE_DEFAULTS = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,

@@ -1,18 +1,21 @@
-"""The on-device generation loop (DESIGN.md contracts 2, 4, 5, 6).
+"""The on-device generation loop (DESIGN.md contracts 2-6).
 
-`run` is one jitted program: prefill, then a `lax.while_loop` of decode steps until every row is
-done (EOS or stop sequence, max_new_tokens, cache capacity); no host round trip per step. The
-streaming path calls the same jitted `prefill` and `decode_step` from a Python loop.
+`run` is one jitted program: prefill, then a `lax.while_loop` of rounds until every row is done
+(EOS or a stop sequence, max_new_tokens, cache capacity); no host round trip per round. A round
+is draft -> verify -> accept -> commit: the proposer drafts k tokens, the target scores
+`[pending, d_1 .. d_k]` in one forward (T = k+1), each row accepts its own n, the cache advances
+by n + 1 and the bonus token becomes the next pending one. Plain decoding is the same round with
+no proposer (k = 0). The streaming path calls the same jitted `prefill` and `round_step` from a
+Python loop.
 
-Invariant for a running row: the cache holds the prompt and every generated token but the last,
-which is `pending` (sampled, not yet run through the trunk):
-    cache.length == prompt_length + num_generated - 1.
+Invariant for a running row, with h = prompt_length + num_generated tokens of context:
+    tokens[:h] is the prompt then the generated tokens; tokens[h - 1] is `pending` (committed,
+    not yet run through the target); cache.length == h - 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -24,6 +27,8 @@ from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.models import llama
 from jaxspec.sampling import SamplerSpec, SamplingParams, select
+from jaxspec.spec.proposers import Context, Proposer
+from jaxspec.spec.verify import greedy_accept
 
 # finish_reason codes (int32 on device); FINISH_NAMES maps them for the host.
 RUNNING, FINISH_STOP, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
@@ -35,11 +40,15 @@ class LoopSpec:
     """Everything static about a generation call: changing any of it recompiles."""
 
     cfg: ModelConfig
-    capacity: int  # S: cache slots per row
-    output_size: int  # N: generated-token buffer per row (bucketed max_new_tokens)
+    capacity: int  # S: cache slots and token-history length per row
     sampler: SamplerSpec
     stop_token_ids: tuple[int, ...] = ()  # EOS and user stop tokens
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stops, matched on device
+    proposer: Proposer | None = None  # None: plain decoding
+
+    @property
+    def num_draft(self) -> int:  # k
+        return 0 if self.proposer is None else self.proposer.num_draft
 
 
 @struct.dataclass
@@ -54,127 +63,200 @@ class Request:
 
 
 @struct.dataclass
+class RoundStats:
+    """Counters of the speculative rounds, summed on device."""
+
+    rounds: jax.Array  # int32[B]: verify forwards this row took part in
+    proposed: jax.Array  # int32[B]: real (not padding) draft tokens
+    accepted: jax.Array  # int32[B]: accepted draft tokens
+    multi_token_rounds: jax.Array  # int32[B]: rounds that accepted at least one draft
+    proposed_at: jax.Array  # int32[k]: rows that proposed a draft at position i, over rounds
+    accepted_at: jax.Array  # int32[k]: rows that accepted the draft at position i, over rounds
+
+    @classmethod
+    def zeros(cls, batch: int, k: int) -> "RoundStats":
+        per_row = jnp.zeros((batch,), jnp.int32)
+        per_position = jnp.zeros((k,), jnp.int32)
+        return cls(per_row, per_row, per_row, per_row, per_position, per_position)
+
+
+@struct.dataclass
 class DecodeState:
     cache: KVCache
-    output: jax.Array  # int32[B, N]: generated tokens (EOS included when it ended the row)
+    tokens: jax.Array  # int32[B, S]: prompt then generated tokens (EOS included if it ended the row)
+    prompt_length: jax.Array  # int32[B]
     num_generated: jax.Array  # int32[B]
-    pending: jax.Array  # int32[B]: last generated token, not yet in the cache
     finish_reason: jax.Array  # int32[B]: RUNNING until the row is done
     seen: jax.Array | None  # bool[B, V]: prompt + output tokens, for the repetition penalty
     key: jax.Array
+    proposer_state: object  # the proposer's own pytree (a draft KV cache, ...), or None
+    stats: RoundStats
     target_forwards: jax.Array  # int32[]: decode forwards of the target (prefill excluded)
 
     @property
     def running(self) -> jax.Array:  # bool[B]
         return self.finish_reason == RUNNING
 
+    @property
+    def context(self) -> Context:
+        return Context(tokens=self.tokens, length=self.prompt_length + self.num_generated)
 
-def _stop_index(window: jax.Array, ends: jax.Array, spec: LoopSpec) -> jax.Array:
-    """Whether a stop token or stop sequence ends at each of the positions `ends`.
+    @property
+    def pending(self) -> jax.Array:  # int32[B]: the last committed token, not yet in the cache
+        last = self.prompt_length + self.num_generated - 1
+        return jnp.take_along_axis(self.tokens, last[:, None], axis=1)[:, 0]
 
-    window: int32[B, N] output buffer; ends: int32[B, T] candidate end positions -> bool[B, T].
+
+def _stop_hits(tokens: jax.Array, ends: jax.Array, first_generated: jax.Array, spec: LoopSpec) -> jax.Array:
+    """Whether a stop token or a stop sequence ends at each position `ends` int32[B, T].
+
+    Sequences match generated tokens only (from `first_generated` int32[B] on). -> bool[B, T]
     """
-    last = jnp.take_along_axis(window, jnp.clip(ends, 0, window.shape[1] - 1), axis=1)
+    size = tokens.shape[1]
+    last = jnp.take_along_axis(tokens, jnp.clip(ends, 0, size - 1), axis=1)
     hit = jnp.isin(last, jnp.asarray(spec.stop_token_ids, jnp.int32)) if spec.stop_token_ids else (
-        jnp.zeros(ends.shape, bool)
-    )
+        jnp.zeros(ends.shape, bool))
     for sequence in spec.stop_sequences:
-        match = ends >= len(sequence) - 1
+        match = ends - (len(sequence) - 1) >= first_generated[:, None]
         for back, token in enumerate(reversed(sequence)):
-            at = jnp.clip(ends - back, 0, window.shape[1] - 1)
-            match &= jnp.take_along_axis(window, at, axis=1) == token
+            at = jnp.clip(ends - back, 0, size - 1)
+            match &= jnp.take_along_axis(tokens, at, axis=1) == token
         hit |= match
     return hit
 
 
 def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
                   request: Request, spec: LoopSpec) -> DecodeState:
-    """Append the first `counts[b]` of `new_tokens` [B, T] to each running row's output.
+    """Append the first `counts[b]` of `new_tokens` [B, T] to each running row.
 
-    Stops are checked at every appended position, and the earliest one wins: a row whose third
-    accepted token is EOS keeps three tokens however many more were accepted. The last kept token
-    becomes `pending`. Finished rows are left untouched.
+    Stops are checked at every appended position and the earliest wins: a row whose second
+    accepted token is EOS keeps two tokens however many were accepted, and max_new_tokens is
+    never overshot. Finished rows are left untouched.
     """
     batch, steps = new_tokens.shape
+    size = state.tokens.shape[1]
     counts = jnp.where(state.running, counts, 0)
     offsets = jnp.arange(steps, dtype=jnp.int32)[None, :]  # [1, T]
-    positions = state.num_generated[:, None] + offsets  # [B, T]
+    generated_index = state.num_generated[:, None] + offsets  # [B, T]: index among generated tokens
+    at = state.prompt_length[:, None] + generated_index  # [B, T]: index in the history
     valid = offsets < counts[:, None]
     rows = jnp.arange(batch)[:, None]
-    write_at = jnp.where(valid, positions, spec.output_size)  # out of range -> dropped
-    output = state.output.at[rows, write_at].set(new_tokens, mode="drop")
+    tokens = state.tokens.at[rows, jnp.where(valid, at, size)].set(new_tokens, mode="drop")
 
-    stop_hit = _stop_index(output, positions, spec) & valid
-    length_hit = (positions + 1 >= request.max_new_tokens[:, None]) & valid
-    any_end = stop_hit | length_hit
-    first_end = jnp.argmax(any_end, axis=1)  # earliest ending position among the new ones
-    ended = jnp.any(any_end, axis=1)
+    stop_hit = _stop_hits(tokens, at, state.prompt_length, spec) & valid
+    length_hit = (generated_index + 1 >= request.max_new_tokens[:, None]) & valid
+    ends = stop_hit | length_hit
+    first_end = jnp.argmax(ends, axis=1)  # earliest ending position among the new ones
+    ended = jnp.any(ends, axis=1)
     kept = jnp.where(ended, first_end + 1, counts)  # int32[B]
-    reason = jnp.where(jnp.take_along_axis(stop_hit, first_end[:, None], axis=1)[:, 0],
-                       FINISH_STOP, FINISH_LENGTH)
-    finish_reason = jnp.where(ended & state.running, reason, state.finish_reason)
-    # Positions past an early stop were written above; blank them so the buffer reads clean.
-    output = jnp.where(jnp.arange(spec.output_size)[None, :] < (state.num_generated + kept)[:, None],
-                       output, 0)
+    stopped = jnp.take_along_axis(stop_hit, first_end[:, None], axis=1)[:, 0]
+    finish_reason = jnp.where(ended, jnp.where(stopped, FINISH_STOP, FINISH_LENGTH), state.finish_reason)
+    num_generated = state.num_generated + kept
+    # Tokens written past an early stop are blanked so the history reads clean.
+    tokens = jnp.where(jnp.arange(size)[None, :] < (state.prompt_length + num_generated)[:, None], tokens, 0)
 
-    last_kept = jnp.take_along_axis(new_tokens, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
-    pending = jnp.where(kept > 0, last_kept, state.pending)
     seen = state.seen
     if seen is not None:
         seen_at = jnp.where(offsets < kept[:, None], new_tokens, seen.shape[1])
         seen = seen.at[rows, seen_at].set(True, mode="drop")
-    return state.replace(output=output, num_generated=state.num_generated + kept, pending=pending,
-                         finish_reason=finish_reason, seen=seen)
+    return state.replace(tokens=tokens, num_generated=num_generated, finish_reason=finish_reason, seen=seen)
 
 
-def _check_capacity(state: DecodeState, spec: LoopSpec, next_write: int) -> DecodeState:
-    """A row that cannot fit its next forward's `next_write` slots is done ("capacity")."""
-    full = state.running & (state.cache.length + next_write > spec.capacity)
+def _check_capacity(state: DecodeState, spec: LoopSpec) -> DecodeState:
+    """A row whose next round (k+1 cache slots) would not fit is done ("capacity")."""
+    full = state.running & (state.cache.length + spec.num_draft + 1 > spec.capacity)
     return state.replace(finish_reason=jnp.where(full, FINISH_CAPACITY, state.finish_reason))
 
 
-def prefill(params, request: Request, spec: LoopSpec) -> DecodeState:
-    """Run the prompts, sample each row's first token, and set up the loop state."""
+def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
+    """Run the prompts, sample each row's first token, set up the proposer and the loop state."""
     cfg = spec.cfg
-    batch = request.prompt.shape[0]
+    batch, prompt_size = request.prompt.shape
     cache = KVCache.create(cfg, batch, spec.capacity)
     with jax.named_scope("prefill"):
         logits, _, cache = llama.forward(
-            params, cfg, request.prompt, cache, logit_indices=(request.prompt_length - 1)[:, None]
-        )
+            params, cfg, request.prompt, cache, logit_indices=(request.prompt_length - 1)[:, None])
     cache = cache.set_length(request.prompt_length)
+    in_prompt = jnp.arange(prompt_size)[None, :] < request.prompt_length[:, None]
     seen = None
     if spec.sampler.repetition_penalty:
-        in_prompt = jnp.arange(request.prompt.shape[1])[None, :] < request.prompt_length[:, None]
         seen_at = jnp.where(in_prompt, request.prompt, cfg.vocab_size)
         seen = jnp.zeros((batch, cfg.vocab_size), bool).at[jnp.arange(batch)[:, None], seen_at].set(
             True, mode="drop")
     key, step_key = jax.random.split(request.key)
     first = select(logits[:, 0], request.sampling, spec.sampler, step_key, seen)
+    history = jnp.zeros((batch, spec.capacity), jnp.int32)
+    history = history.at[:, :prompt_size].set(jnp.where(in_prompt, request.prompt, 0)[:, :spec.capacity])
+    proposer_state = None
+    if spec.proposer is not None:
+        with jax.named_scope("proposer_init"):
+            proposer_state = spec.proposer.init(draft_params, request.prompt, request.prompt_length,
+                                                spec.capacity)
     state = DecodeState(
         cache=cache,
-        output=jnp.zeros((batch, spec.output_size), jnp.int32),
+        tokens=history,
+        prompt_length=request.prompt_length,
         num_generated=jnp.zeros((batch,), jnp.int32),
-        pending=first,
         finish_reason=jnp.full((batch,), RUNNING, jnp.int32),
         seen=seen,
         key=key,
+        proposer_state=proposer_state,
+        stats=RoundStats.zeros(batch, spec.num_draft),
         target_forwards=jnp.zeros((), jnp.int32),
     )
     state = commit_tokens(state, first[:, None], jnp.ones((batch,), jnp.int32), request, spec)
-    return _check_capacity(state, spec, next_write=1)
+    return _check_capacity(state, spec)
 
 
-def decode_step(params, state: DecodeState, request: Request, spec: LoopSpec) -> DecodeState:
-    """One plain decode step: run `pending` through the trunk, commit it, sample the next."""
-    with jax.named_scope("decode_step"):
-        logits, _, cache = llama.forward(params, spec.cfg, state.pending[:, None], state.cache)
-        cache = cache.advance(state.running.astype(jnp.int32))
-        key, step_key = jax.random.split(state.key)
-        token = select(logits[:, 0], request.sampling, spec.sampler, step_key, state.seen)
-        state = state.replace(cache=cache, key=key, target_forwards=state.target_forwards + 1)
-        state = commit_tokens(state, token[:, None], jnp.ones_like(token), request, spec)
-        return _check_capacity(state, spec, next_write=1)
+def _count_round(stats: RoundStats, running: jax.Array, num_proposed: jax.Array,
+                 accepted: jax.Array, k: int) -> RoundStats:
+    live = running.astype(jnp.int32)
+    num_proposed, accepted = num_proposed * live, accepted * live
+    positions = jnp.arange(k)[None, :]
+    return RoundStats(
+        rounds=stats.rounds + live,
+        proposed=stats.proposed + num_proposed,
+        accepted=stats.accepted + accepted,
+        multi_token_rounds=stats.multi_token_rounds + (accepted > 0),
+        proposed_at=stats.proposed_at + jnp.sum(positions < num_proposed[:, None], axis=0),
+        accepted_at=stats.accepted_at + jnp.sum(positions < accepted[:, None], axis=0),
+    )
+
+
+def round_step(params, draft_params, state: DecodeState, request: Request, spec: LoopSpec) -> DecodeState:
+    """One round: draft k tokens, verify them in one target forward, commit n + 1 per row."""
+    batch = state.num_generated.shape[0]
+    k = spec.num_draft
+    proposer_state = state.proposer_state
+    if spec.proposer is not None:
+        with jax.named_scope("propose"):
+            drafts, num_proposed, proposer_state = spec.proposer.propose(
+                draft_params, proposer_state, state.context)
+    else:
+        drafts, num_proposed = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32)
+
+    with jax.named_scope("verify"):
+        verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, k+1]
+        logits, _, cache = llama.forward(params, spec.cfg, verify_tokens, state.cache)
+    key = state.key
+    if k == 0:
+        key, step_key = jax.random.split(key)
+        committed = select(logits[:, 0], request.sampling, spec.sampler, step_key, state.seen)[:, None]
+        accepted = jnp.zeros((batch,), jnp.int32)
+    else:
+        accepted, committed = greedy_accept(drafts, num_proposed, logits)
+
+    running = state.running
+    cache = cache.advance(jnp.where(running, accepted + 1, 0))
+    if spec.proposer is not None:
+        proposer_state = spec.proposer.update(draft_params, proposer_state, accepted)
+    state = state.replace(
+        cache=cache, key=key, proposer_state=proposer_state,
+        stats=_count_round(state.stats, running, num_proposed, accepted, k),
+        target_forwards=state.target_forwards + 1,
+    )
+    state = commit_tokens(state, committed, accepted + 1, request, spec)
+    return _check_capacity(state, spec)
 
 
 # Host timestamps taken from inside the jitted program (see `run`); reset per call by the caller.
@@ -185,19 +267,19 @@ def _mark_prefill_done(_):
     _prefill_done_at.append(time.perf_counter())
 
 
-def run(params, request: Request, spec: LoopSpec) -> DecodeState:
+def run(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
     """Prefill and decode to completion, on device, as one program."""
-    state = prefill(params, request, spec)
+    state = prefill(params, draft_params, request, spec)
     # One ordered host callback after prefill, so stats can split prefill and decode time
     # without splitting the program in two.
-    io_callback(_mark_prefill_done, None, state.pending, ordered=True)
+    io_callback(_mark_prefill_done, None, state.num_generated, ordered=True)
     return jax.lax.while_loop(
         lambda s: jnp.any(s.running),
-        lambda s: decode_step(params, s, request, spec),
+        lambda s: round_step(params, draft_params, s, request, spec),
         state,
     )
 
 
 run_jit = jax.jit(run, static_argnames=("spec",))
 prefill_jit = jax.jit(prefill, static_argnames=("spec",))
-decode_step_jit = jax.jit(decode_step, static_argnames=("spec",), donate_argnames=("state",))
+round_step_jit = jax.jit(round_step, static_argnames=("spec",), donate_argnames=("state",))

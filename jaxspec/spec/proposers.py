@@ -1,0 +1,140 @@
+"""Proposers: where draft tokens come from. One protocol, many sources (DESIGN.md contract 7).
+
+A proposer is a frozen, hashable dataclass (static under jit: its fields shape the program) with
+three pure methods over its own state pytree:
+
+    init(draft_params, prompt [B, P], prompt_length [B], capacity) -> state   at prefill
+    propose(draft_params, state, context) -> (drafts [B, k], num_proposed [B], state)
+    update(draft_params, state, accepted [B]) -> state       after verification
+
+`context` is the loop's token history: `tokens` int32[B, S] holds each row's prompt and committed
+tokens, `length` int32[B] how many (the last one is the pending token the target has not run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
+from jaxspec.models import llama
+
+
+@struct.dataclass
+class Context:
+    tokens: jax.Array  # int32[B, S]: prompt then committed tokens, zero past `length`
+    length: jax.Array  # int32[B]: valid tokens per row; tokens[b, length[b] - 1] is pending
+
+
+class Proposer(Protocol):
+    num_draft: int  # k: drafts per round (fixed shape; rows may propose fewer)
+    name: str
+
+    def init(self, draft_params: Any, prompt: jax.Array, prompt_length: jax.Array, capacity: int) -> Any: ...
+
+    def propose(self, draft_params: Any, state: Any, context: Context) -> tuple[jax.Array, jax.Array, Any]: ...
+
+    def update(self, draft_params: Any, state: Any, accepted: jax.Array) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptLookup:
+    """Prompt lookup (n-gram) drafting, model-free.
+
+    Match the context's last `n` tokens, for n from `ngram_max` down to `ngram_min`, against
+    earlier context (most recent occurrence first) and propose up to k tokens that followed it.
+    Strong on summarization, RAG and code editing, where the output copies the input.
+    """
+
+    num_draft: int
+    ngram_max: int = 3
+    ngram_min: int = 1
+    name: str = "ngram"
+
+    def init(self, draft_params, prompt, prompt_length, capacity):
+        return None
+
+    def update(self, draft_params, state, accepted):
+        return state
+
+    def propose(self, draft_params, state, context: Context):
+        tokens, length = context.tokens, context.length
+        batch, size = tokens.shape
+        k = self.num_draft
+        starts = jnp.arange(size)[None, :]  # [1, S]: candidate match start j
+        best_start = jnp.full((batch,), -1, jnp.int32)
+        best_n = jnp.zeros((batch,), jnp.int32)
+        # Longer n-grams are tried first; a longer match, when there is one, wins.
+        for n in range(self.ngram_min, self.ngram_max + 1):
+            suffix_at = length - n  # [B]: where the context's own last n tokens start
+            match = jnp.ones((batch, size), bool)
+            for i in range(n):
+                suffix_token = jnp.take_along_axis(tokens, jnp.maximum(suffix_at + i, 0)[:, None], axis=1)
+                shifted = jnp.roll(tokens, -i, axis=1)  # shifted[:, j] = tokens[:, j + i]
+                match &= shifted == suffix_token
+            # A usable match ends before the suffix itself, so something follows it.
+            match &= (starts < suffix_at[:, None]) & (suffix_at[:, None] >= 0)
+            latest = jnp.max(jnp.where(match, starts, -1), axis=1).astype(jnp.int32)
+            found = latest >= 0
+            best_start = jnp.where(found, latest, best_start)
+            best_n = jnp.where(found, n, best_n)
+        follow = best_start + best_n  # [B]: first proposed token's index
+        num_proposed = jnp.where(best_start >= 0, jnp.clip(length - follow, 0, k), 0).astype(jnp.int32)
+        take = jnp.clip(follow[:, None] + jnp.arange(k)[None, :], 0, size - 1)
+        drafts = jnp.take_along_axis(tokens, take, axis=1)
+        drafts = jnp.where(jnp.arange(k)[None, :] < num_proposed[:, None], drafts, 0)
+        return drafts, num_proposed, state
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftModel:
+    """A smaller model of the same vocabulary drafts k tokens greedily with its own KV cache.
+
+    Cache invariant at each `propose`: the draft's cache is valid for every context token but the
+    last two. After a round that accepted n of k drafts, the draft has run the old context plus
+    d_1 .. d_{k-1}, of which d_1 .. d_n are now context, so that holds (n - 1 <= min(n, k - 1)).
+    Each round therefore sets the draft's length to `length - 2` (a rollback by length) and runs
+    the last two context tokens at once (T = 2: it catches up on whatever it has not seen, one or
+    two tokens), then k - 1 single-token steps.
+    Layer-skip self-speculation is this proposer with the target's own first layers as the draft.
+    """
+
+    num_draft: int
+    config: ModelConfig
+    name: str = "draft"
+
+    def init(self, draft_params, prompt: jax.Array, prompt_length: jax.Array, capacity: int) -> KVCache:
+        cache = KVCache.create(self.config, prompt.shape[0], capacity)
+        _, _, cache = llama.forward(draft_params, self.config, prompt, cache,
+                                    logit_indices=jnp.zeros((prompt.shape[0], 1), jnp.int32))
+        # The context is prompt + first token; valid for all but its last two is prompt_length - 1.
+        return cache.set_length(prompt_length - 1)
+
+    def update(self, draft_params, state, accepted):
+        return state
+
+    def propose(self, draft_params, cache: KVCache, context: Context):
+        last_two_at = jnp.maximum(context.length - 2, 0)[:, None] + jnp.arange(2)[None, :]  # [B, 2]
+        last_two = jnp.take_along_axis(context.tokens, last_two_at, axis=1)
+        cache = cache.set_length(last_two_at[:, 0])
+        logits, _, cache = llama.forward(draft_params, self.config, last_two, cache,
+                                         logit_indices=jnp.ones((last_two.shape[0], 1), jnp.int32))
+        cache = cache.advance(jnp.full_like(cache.length, 2))
+        first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+
+        def step(carry, _):
+            token, cache = carry
+            logits, _, cache = llama.forward(draft_params, self.config, token[:, None], cache)
+            cache = cache.advance(jnp.ones_like(cache.length))
+            following = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            return (following, cache), following
+
+        # A scan, not an unrolled loop: compile time stays flat in k.
+        (_, cache), rest = jax.lax.scan(step, (first, cache), None, length=self.num_draft - 1)
+        drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, k]
+        return drafts, jnp.full(first.shape, self.num_draft, jnp.int32), cache

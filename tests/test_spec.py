@@ -1,0 +1,178 @@
+"""Speculative greedy decoding is exact: every proposer, several k, ragged batches, stops.
+
+Small random models (compiles stay cheap); the reference is the plain loop (k = 0), itself
+checked against full recomputation in test_generate.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
+from jaxspec.models import llama
+from jaxspec.spec.proposers import Context, PromptLookup
+from tests.conftest import TINY, assert_same_greedy
+
+# Prompts with repeats, so prompt lookup finds matches; ragged lengths 13, 6 and 21.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
+    [40, 41, 42, 40, 41, 42],
+    [9, 8, 7, 6, 5, 4, 30, 31, 32, 33, 9, 8, 7, 6, 5, 4, 30, 31, 32, 33, 9],
+]
+forward = jax.jit(llama.forward, static_argnums=1)
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_model):
+    """An unrelated smaller model of the same vocabulary: low but nonzero acceptance."""
+    cfg = dataclasses.replace(TINY, num_layers=1, dim=32, num_heads=2, num_kv_heads=1, ffn_dim=48)
+    return jaxspec.Model(config=cfg, params=llama.init_params(cfg, jax.random.PRNGKey(7), scale=0.2))
+
+
+def _plain(model, prompts, max_new, **kwargs):
+    return jaxspec.generate(model, None, prompts, max_new_tokens=max_new, **kwargs)
+
+
+def _reference_logits(model, prompt, generated):
+    def at(step):
+        seq = prompt + generated[:step]
+        logits, _, _ = forward(model.params, model.config, jnp.asarray([seq]), KVCache.create(model.config, 1, 128))
+        return logits[0, -1]
+    return at
+
+
+def _assert_exact(model, prompts, result, reference):
+    for row, prompt in enumerate(prompts):
+        assert_same_greedy(result.tokens[row], reference.tokens[row],
+                           _reference_logits(model, prompt, reference.tokens[row]))
+    assert result.finish_reason == reference.finish_reason
+
+
+def _method_kwargs(method, model, draft_model):
+    if method == "draft":
+        return dict(draft_params=draft_model)
+    if method == "layer_skip":
+        return dict(method="layer_skip", exit_layer=1)
+    return dict(method="ngram")
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("method", ["ngram", "draft", "layer_skip"])
+def test_ragged_batch_matches_plain_greedy(tiny_model, draft_model, method, k):
+    reference = _plain(tiny_model, PROMPTS, 30, ignore_eos=True)
+    result = jaxspec.generate(tiny_model, prompt=PROMPTS, max_new_tokens=30, ignore_eos=True,
+                              num_draft_tokens=k, **_method_kwargs(method, tiny_model, draft_model))
+    _assert_exact(tiny_model, PROMPTS, result, reference)
+    stats = result.stats
+    assert stats.method == method and stats.num_draft_tokens == k
+    assert 0 <= stats.accepted <= stats.proposed <= k * stats.rounds
+    # Every round commits accepted + 1 tokens, except a last round cut short by max_new_tokens.
+    assert stats.rounds + stats.accepted - k * stats.rows <= stats.decode_tokens <= stats.rounds + stats.accepted
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "layer_skip"])
+def test_batch_of_one_matches_plain_greedy(tiny_model, draft_model, method):
+    for prompt in (PROMPTS[0], PROMPTS[2]):
+        reference = _plain(tiny_model, prompt, 25, ignore_eos=True)
+        result = jaxspec.generate(tiny_model, prompt=prompt, max_new_tokens=25, ignore_eos=True,
+                                  num_draft_tokens=4, **_method_kwargs(method, tiny_model, draft_model))
+        _assert_exact(tiny_model, [prompt], result, reference)
+
+
+def test_draft_identical_to_target_accepts_everything(tiny_model):
+    k = 4
+    result = jaxspec.generate(tiny_model, tiny_model, PROMPTS, max_new_tokens=31, ignore_eos=True,
+                              num_draft_tokens=k)
+    reference = _plain(tiny_model, PROMPTS, 31, ignore_eos=True)
+    assert result.tokens == reference.tokens
+    stats = result.stats
+    assert stats.accepted == stats.proposed == k * stats.rounds
+    assert stats.acceptance_by_position == (1.0,) * k
+    # 30 decode tokens per row at k + 1 = 5 per round: exactly 6 rounds each, tau = k + 1.
+    assert stats.rounds == 6 * 3 and stats.tau == k + 1
+    assert stats.target_forwards == 6
+
+
+def test_random_draft_is_still_exact_with_low_acceptance(tiny_model, draft_model):
+    result = jaxspec.generate(tiny_model, draft_model, PROMPTS, max_new_tokens=30, ignore_eos=True,
+                              num_draft_tokens=4)
+    reference = _plain(tiny_model, PROMPTS, 30, ignore_eos=True)
+    _assert_exact(tiny_model, PROMPTS, result, reference)
+    assert result.stats.acceptance_rate < 0.5
+    assert result.stats.tau < 2.5
+
+
+@pytest.mark.parametrize("max_new", [7, 9, 10])
+def test_max_new_tokens_is_never_overshot(tiny_model, max_new):
+    result = jaxspec.generate(tiny_model, tiny_model, PROMPTS, max_new_tokens=max_new, ignore_eos=True,
+                              num_draft_tokens=4)
+    reference = _plain(tiny_model, PROMPTS, max_new, ignore_eos=True)
+    assert result.tokens == reference.tokens
+    assert all(len(t) == max_new for t in result.tokens)
+    assert result.finish_reason == ["length"] * 3
+
+
+def test_eos_inside_accepted_drafts_ends_the_row_there(tiny_model):
+    free = _plain(tiny_model, PROMPTS, 30, ignore_eos=True).tokens
+    stop = free[0][6]  # mid-round for k = 4 (rounds commit 5 tokens after the prefill's first)
+    kwargs = dict(ignore_eos=True, stop_token_ids=[stop])
+    reference = _plain(tiny_model, PROMPTS, 30, **kwargs)
+    result = jaxspec.generate(tiny_model, tiny_model, PROMPTS, max_new_tokens=30, num_draft_tokens=4, **kwargs)
+    assert result.tokens == reference.tokens
+    assert result.finish_reason == reference.finish_reason
+    assert result.tokens[0][-1] == stop and len(result.tokens[0]) == free[0].index(stop) + 1
+
+
+def test_stream_works_with_every_method(tiny_model, draft_model):
+    reference = _plain(tiny_model, PROMPTS[0], 20, ignore_eos=True).tokens[0]
+    for method in ("ngram", "draft", "layer_skip"):
+        stream = jaxspec.stream(tiny_model, PROMPTS[0], max_new_tokens=20, ignore_eos=True, num_draft_tokens=3,
+                                **_method_kwargs(method, tiny_model, draft_model))
+        assert list(stream) == reference == stream.result.tokens[0]
+        assert stream.result.stats.method == method
+
+
+def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
+    # Context "1 2 3 9 1 2 3 7 5 1 2 3": the suffix "1 2 3" last occurred at index 4, followed by 7 5.
+    history = jnp.array([[1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3, 0, 0, 0, 0]])
+    context = Context(tokens=history, length=jnp.array([12]))
+    drafts, count, _ = PromptLookup(num_draft=4, ngram_max=3, ngram_min=1).propose(None, None, context)
+    # Proposals stop at the end of the context: 7 5 1 2 (four follow index 7).
+    assert drafts.tolist() == [[7, 5, 1, 2]] and count.tolist() == [4]
+    short = Context(tokens=history, length=jnp.array([9]))  # "... 1 2 3 7 5": suffix "5" never seen before
+    _, none, _ = PromptLookup(num_draft=4).propose(None, None, short)
+    assert none.tolist() == [0]
+    # With ngram_max=1 the suffix "3" (at 11) matches index 6 most recently: proposes 7 5 1 2.
+    drafts1, count1, _ = PromptLookup(num_draft=2, ngram_max=1).propose(None, None, context)
+    assert drafts1.tolist() == [[7, 5]] and count1.tolist() == [2]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(method="ngram", num_draft_tokens=0), "num_draft_tokens must be an integer in"),
+        (dict(method="ngram", num_draft_tokens=1000), "num_draft_tokens must be an integer in"),
+        (dict(method="beam"), "method must be one of"),
+        (dict(method="draft"), "needs draft_params"),
+        (dict(method="layer_skip", exit_layer=2), "exit_layer must be an integer in"),
+        (dict(method="ngram", temperature=0.5), "verifies greedily"),
+        (dict(method="ngram", max_new_tokens=248, num_draft_tokens=8), r"num_draft_tokens \(8\) exceeds"),
+    ],
+)
+def test_bad_speculative_requests(tiny_model, kwargs, message):
+    with pytest.raises(jaxspec.InvalidRequestError, match=message):
+        jaxspec.generate(tiny_model, prompt=[1, 2, 3], **kwargs)
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_model):
+    cfg = dataclasses.replace(TINY, vocab_size=64)
+    other = jaxspec.Model(config=cfg, params=llama.init_params(cfg, jax.random.PRNGKey(3)))
+    with pytest.raises(jaxspec.InvalidRequestError, match="vocabulary"):
+        jaxspec.generate(tiny_model, other, [1, 2, 3])
