@@ -254,7 +254,9 @@ def _prepare(model: Model, prompt, *, draft_params=None, method=None, num_draft_
 
     batch = len(rows)
     prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
-    capacity = min(_bucket(prompt_bucket + max_new_tokens + k, MIN_PROMPT_BUCKET), cfg.max_position_embeddings)
+    # Decode attention reads all S slots every step, so S is the prompt bucket plus a bucket of
+    # the new tokens, not a power of two of the sum (1024 + 132 would otherwise become 2048).
+    capacity = min(prompt_bucket + _bucket(max_new_tokens + k, MIN_PROMPT_BUCKET), cfg.max_position_embeddings)
     padded = np.zeros((batch, prompt_bucket), np.int32)
     for i, r in enumerate(rows):
         padded[i, : len(r)] = r
@@ -424,7 +426,7 @@ class Stream:
         unsent, emitted, stopped_by_string = "", 0, False
 
         start = time.perf_counter()
-        state = prefill(*args, prepared.request)
+        state = jax.block_until_ready(prefill(*args, prepared.request))
         prefill_done = time.perf_counter()
         while True:
             new = _generated(state, 1)[0][emitted:]

@@ -31,6 +31,11 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    gen.add_argument("--method", choices=api.METHODS, default=None,
+                     help="speculation: ngram (prompt lookup), draft (--draft MODEL), layer_skip; default plain")
+    gen.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="draft tokens per round")
+    gen.add_argument("--draft", default=None, help="the draft model for --method draft (same vocabulary)")
+    gen.add_argument("--exit-layer", type=int, default=None, help="layers the layer_skip draft keeps")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the model's chat template (default: on when the model has one)")
 
@@ -46,17 +51,23 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _generate(args) -> None:
     model = api.load(args.model, progress=True)
+    draft = api.load(args.draft, progress=True) if args.draft else None
     chat = args.chat if args.chat is not None else bool(model.tokenizer and model.tokenizer.chat_template)
     stream = api.stream(
-        model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        model, args.prompt, draft, method=args.method, num_draft_tokens=args.num_draft_tokens,
+        exit_layer=args.exit_layer, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         seed=args.seed, chat=chat, stop=args.stop,
     )
     for text in stream:
         print(text, end="", flush=True)
     stats = stream.result.stats
+    speculation = ""
+    if stats.method != "plain":
+        speculation = (f"{stats.method} k={stats.num_draft_tokens}: tau {stats.tau:.2f}, "
+                       f"acceptance {stats.acceptance_rate:.0%}, ")
     print(
-        f"\n[{stats.new_tokens} tokens, {stats.decode_tokens_per_second:.1f} tok/s decode, "
+        f"\n[{stats.new_tokens} tokens, {stats.decode_tokens_per_second:.1f} tok/s decode, {speculation}"
         f"prefill {stats.prompt_tokens} tokens in {stats.prefill_seconds:.2f} s, "
         f"compile {stats.compile_seconds:.1f} s, finish: {stream.result.finish_reason[0]}]",
         file=sys.stderr,
