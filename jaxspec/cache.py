@@ -17,18 +17,20 @@ from jaxspec.config import ModelConfig
 
 # Logical axis names, stable so shardings can be declared later without touching the models
 # (DESIGN.md contract 8): batch shards data-parallel, kv heads tensor-parallel.
-KV_AXES = ("batch", "kv_seq", "kv_heads", "head_dim")
+KV_AXES = ("batch", "kv_heads", "kv_seq", "head_dim")
 
 
 @struct.dataclass
 class KVCache:
-    keys: tuple[jax.Array, ...]  # L x [B, S, K, H]
-    values: tuple[jax.Array, ...]  # L x [B, S, K, H]
+    # [B, K, S, H]: (batch, kv head) lead so attention's einsums batch over them without
+    # transposing the cache, and each head's keys are contiguous along S.
+    keys: tuple[jax.Array, ...]  # L x [B, K, S, H]
+    values: tuple[jax.Array, ...]  # L x [B, K, S, H]
     length: jax.Array  # int32[B]: tokens committed per row; positions >= length are free
 
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
-        shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         return cls(
             keys=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
             values=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
@@ -41,7 +43,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:  # S
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[2]
 
     def set_length(self, length: jax.Array) -> "KVCache":
         """Commit or roll back: the first `length[b]` entries of row b are the valid ones."""
@@ -53,7 +55,7 @@ class KVCache:
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
-    """Write `new` [B, T, K, H] into `buffer` [B, S, K, H] at per-row `offsets` int32[B].
+    """Write `new` [B, T, K, H] into `buffer` [B, K, S, H] at per-row `offsets` int32[B].
 
     A scatter with mode="drop": a write past the capacity is discarded, never clamped onto
     valid entries (dynamic_update_slice would clamp and silently overwrite the row's tail).
@@ -61,4 +63,4 @@ def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Arr
     batch, steps = new.shape[:2]
     rows = jnp.arange(batch)[:, None]  # [B, 1]
     cols = offsets[:, None] + jnp.arange(steps)[None, :]  # [B, T]
-    return buffer.at[rows, cols].set(new.astype(buffer.dtype), mode="drop")
+    return buffer.at[rows, :, cols].set(new.astype(buffer.dtype), mode="drop")

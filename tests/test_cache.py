@@ -11,16 +11,16 @@ from tests.conftest import TINY, max_relative_error
 
 
 def test_write_rows_lands_at_each_rows_offset():
-    buffer = jnp.zeros((2, 6, 1, 1))
-    new = jnp.arange(1, 7, dtype=jnp.float32).reshape(2, 3, 1, 1)  # row 0: 1 2 3, row 1: 4 5 6
-    out = write_rows(buffer, new, jnp.array([0, 2]))[..., 0, 0]
+    buffer = jnp.zeros((2, 1, 6, 1))  # [B, K, S, H]
+    new = jnp.arange(1, 7, dtype=jnp.float32).reshape(2, 3, 1, 1)  # [B, T, K, H]: row 0: 1 2 3, row 1: 4 5 6
+    out = write_rows(buffer, new, jnp.array([0, 2]))[:, 0, :, 0]
     np.testing.assert_array_equal(out, [[1, 2, 3, 0, 0, 0], [0, 0, 4, 5, 6, 0]])
 
 
 def test_write_past_capacity_is_dropped_not_clamped():
-    buffer = jnp.arange(6, dtype=jnp.float32).reshape(1, 6, 1, 1)
+    buffer = jnp.arange(6, dtype=jnp.float32).reshape(1, 1, 6, 1)
     new = jnp.full((1, 3, 1, 1), -1.0)
-    out = write_rows(buffer, new, jnp.array([5]))[..., 0, 0]
+    out = write_rows(buffer, new, jnp.array([5]))[:, 0, :, 0]
     # Only slot 5 fits; slots 6 and 7 do not exist and must not land on 3 and 4 instead.
     np.testing.assert_array_equal(out, [[0, 1, 2, 3, 4, -1]])
 
@@ -28,7 +28,7 @@ def test_write_past_capacity_is_dropped_not_clamped():
 def test_create_shapes_and_lengths():
     cache = KVCache.create(TINY, batch=3, capacity=32)
     assert len(cache.keys) == TINY.num_layers == len(cache.values)
-    assert cache.keys[0].shape == (3, 32, TINY.num_kv_heads, TINY.head_dim)
+    assert cache.keys[0].shape == (3, TINY.num_kv_heads, 32, TINY.head_dim)
     assert cache.capacity == 32 and cache.batch == 3
     np.testing.assert_array_equal(cache.length, [0, 0, 0])
     np.testing.assert_array_equal(cache.advance(jnp.array([1, 2, 0])).length, [1, 2, 0])

@@ -145,16 +145,18 @@ def _attention(
     k = apply_rope(k, cos, sin, cfg.rotary_dim)
 
     # The new keys/values land at each row's own offset; the mask below hides everything past it.
-    keys = write_rows(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets)  # [B, S, K, H]
+    keys = write_rows(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets)  # [B, K, S, H]
     values = write_rows(values, jnp.transpose(v, (2, 3, 0, 1)), offsets)
 
-    q = q.reshape(K, G, H, batch, steps) * (1.0 / math.sqrt(H))
-    scores = jnp.einsum("KGHBT,BSKH->BKGTS", q, keys, preferred_element_type=jnp.float32)
+    # Queries as [B, K, G*T, H]: one batched matmul per (row, kv head) against its cache.
+    q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 0, 1, 4, 2)).reshape(batch, K, G * steps, H)
+    scores = jnp.einsum("BKQH,BKSH->BKQS", q * (1.0 / math.sqrt(H)), keys)
     slot = offsets[:, None] + jnp.arange(steps)[None, :]  # [B, T]: cache slot of each query
-    visible = jnp.arange(keys.shape[1])[None, None, :] <= slot[:, :, None]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    visible = jnp.arange(keys.shape[2])[None, None, :] <= jnp.tile(slot, (1, G))[:, :, None]  # [B, G*T, S]
+    scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BKGTS,BSKH->KGHBT", probs, values).reshape(N * H, batch * steps)
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values).reshape(batch, K, G, steps, H)
+    out = jnp.transpose(out, (1, 2, 4, 0, 3)).reshape(N * H, batch * steps)  # [N*H, B*T]
     return layer["o_proj"] @ out, keys, values
 
 
