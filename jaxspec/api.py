@@ -170,8 +170,11 @@ class _Prepared:
     stop_strings: tuple[str, ...]
 
 
+DRAFT_SAMPLING = ("sample", "argmax")
+
+
 def _proposer(model: Model, draft_params, method, num_draft_tokens, ngram_max, ngram_min,
-              exit_layer) -> tuple[str, proposers.Proposer | None, Model | None]:
+              exit_layer, draft_sampling, sampler) -> tuple[str, proposers.Proposer | None, Model | None]:
     """Resolve `method` (or infer it from `draft_params`) to a proposer and its draft model."""
     if method is None:
         method = "plain" if draft_params is None else "draft"
@@ -184,7 +187,12 @@ def _proposer(model: Model, draft_params, method, num_draft_tokens, ngram_max, n
     k = num_draft_tokens
     if not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DRAFT_TOKENS:
         raise InvalidRequestError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}]; got {k!r}")
+    if draft_sampling not in (None, *DRAFT_SAMPLING):
+        raise InvalidRequestError(f"draft_sampling must be one of {DRAFT_SAMPLING}; got {draft_sampling!r}")
     if method == "ngram":
+        if draft_sampling == "sample":
+            raise InvalidRequestError(
+                "prompt lookup proposes copied tokens, not samples: it has no q for draft_sampling='sample'")
         if draft_params is not None:
             raise InvalidRequestError("method='ngram' (prompt lookup) takes no draft_params")
         if not (isinstance(ngram_min, int) and isinstance(ngram_max, int) and 1 <= ngram_min <= ngram_max <= 16):
@@ -201,15 +209,23 @@ def _proposer(model: Model, draft_params, method, num_draft_tokens, ngram_max, n
         raise InvalidRequestError(
             f"the draft's vocabulary ({draft_params.config.vocab_size}) differs from the target's "
             f"({model.config.vocab_size}); a draft model must share the target's tokenizer")
-    return method, proposers.DraftModel(num_draft=int(k), config=draft_params.config), draft_params
+    # At temperature > 0 drafts are sampled from the draft's own distribution unless asked for
+    # argmax; greedy requests always draft argmax.
+    sample = not sampler.greedy and draft_sampling != "argmax"
+    proposer = proposers.DraftModel(num_draft=int(k), config=draft_params.config, sample=sample,
+                                    sampler=sampler if sample else None)
+    return method, proposer, draft_params
 
 
 def _prepare(model: Model, prompt, *, draft_params=None, method=None, num_draft_tokens=4, ngram_max=3,
-             ngram_min=1, exit_layer=None, max_new_tokens, temperature, top_k, top_p, min_p,
-             repetition_penalty, seed, chat, stop, stop_token_ids, ignore_eos) -> _Prepared:
+             ngram_min=1, exit_layer=None, draft_sampling=None, max_new_tokens, temperature, top_k,
+             top_p, min_p, repetition_penalty, seed, chat, stop, stop_token_ids, ignore_eos) -> _Prepared:
     cfg = model.config
+    _check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
+    sampler = spec_for(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repetition_penalty=repetition_penalty)
     method, proposer, draft = _proposer(model, draft_params, method, num_draft_tokens, ngram_max,
-                                        ngram_min, exit_layer)
+                                        ngram_min, exit_layer, draft_sampling, sampler)
     k = 0 if proposer is None else proposer.num_draft
     rows = _as_batch(prompt, model, chat)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -220,15 +236,8 @@ def _prepare(model: Model, prompt, *, draft_params=None, method=None, num_draft_
         raise InvalidRequestError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}){drafts} exceeds the model's "
             f"context of {cfg.max_position_embeddings} tokens")
-    _check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     if not isinstance(seed, (int, np.integer)):
         raise InvalidRequestError(f"seed must be an integer; got {seed!r}")
-    sampler = spec_for(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                       repetition_penalty=repetition_penalty)
-    if proposer is not None and not sampler.greedy:
-        raise InvalidRequestError(f"method={method!r} verifies greedily in this version: use temperature=0")
-    if proposer is not None and sampler.repetition_penalty:
-        raise InvalidRequestError(f"repetition_penalty is not supported with method={method!r}")
 
     stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
     stop_ids = set(int(t) for t in (stop_token_ids or ()))
@@ -355,6 +364,7 @@ def generate(
     ngram_max: int = 3,
     ngram_min: int = 1,
     exit_layer: int | None = None,
+    draft_sampling: str | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -374,12 +384,16 @@ def generate(
     the vocabulary), "layer_skip" (the target's first `exit_layer` layers; default half), or
     inferred from `draft_params`; `num_draft_tokens` (k) per round. Greedy speculative output
     equals plain greedy output token for token.
-    Sampling at temperature > 0 with the given filters and `seed` (same seed, same output).
+    Sampling at temperature > 0 with the given filters and `seed` (same seed, same output);
+    with a proposer, verification is lossless rejection sampling, and draft models draw their
+    drafts from their own distribution (`draft_sampling="sample"`, the default) or propose
+    their argmax (`"argmax"`).
     Rows stop at EOS, a stop token or string, or `max_new_tokens`.
     """
     prepared = _prepare(model, prompt, draft_params=draft_params, method=method,
                         num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min,
-                        exit_layer=exit_layer, max_new_tokens=max_new_tokens, temperature=temperature,
+                        exit_layer=exit_layer, draft_sampling=draft_sampling,
+                        max_new_tokens=max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                         seed=seed, chat=chat, stop=stop, stop_token_ids=stop_token_ids,
                         ignore_eos=ignore_eos)

@@ -126,3 +126,29 @@ def select(
         return greedy_tokens
     sampled = jax.random.categorical(key, processed_logits(logits, params, spec), axis=-1)
     return jnp.where(params.temperature > 0, sampled.astype(jnp.int32), greedy_tokens)
+
+
+def distribution(
+    logits: jax.Array,
+    params: SamplingParams,
+    spec: SamplerSpec,
+    seen: jax.Array | None = None,
+) -> jax.Array:
+    """The processed distribution `select` draws from, as probabilities [B, V].
+
+    Temperature-0 rows get a point mass on their argmax, so one verifier serves greedy and
+    sampled rows alike. seen: bool[B, V], required when `spec.repetition_penalty`.
+    """
+    logits = logits.astype(jnp.float32)
+    if spec.repetition_penalty:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    if spec.greedy:
+        return greedy
+    probs = jax.nn.softmax(processed_logits(logits, params, spec), axis=-1)
+    return jnp.where((params.temperature > 0)[:, None], probs, greedy)
+
+
+def repeat_rows(params: SamplingParams, times: int) -> SamplingParams:
+    """Each row's parameters repeated `times` times: for [B * T, V] logits flattened row-major."""
+    return jax.tree.map(lambda value: jnp.repeat(value, times, axis=0), params)

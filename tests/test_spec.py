@@ -162,7 +162,8 @@ def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
         (dict(method="beam"), "method must be one of"),
         (dict(method="draft"), "needs draft_params"),
         (dict(method="layer_skip", exit_layer=2), "exit_layer must be an integer in"),
-        (dict(method="ngram", temperature=0.5), "verifies greedily"),
+        (dict(method="ngram", temperature=0.5, draft_sampling="sample"), "no q for draft_sampling"),
+        (dict(method="layer_skip", exit_layer=1, temperature=0.5, draft_sampling="best"), "draft_sampling must be one of"),
         (dict(method="ngram", max_new_tokens=248, num_draft_tokens=8), r"num_draft_tokens \(8\) exceeds"),
     ],
 )

@@ -26,9 +26,9 @@ from jax.experimental import io_callback
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.models import llama
-from jaxspec.sampling import SamplerSpec, SamplingParams, select
+from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, repeat_rows, select
 from jaxspec.spec.proposers import Context, Proposer
-from jaxspec.spec.verify import greedy_accept
+from jaxspec.spec.verify import greedy_accept, positional_seen, rejection_sample
 
 # finish_reason codes (int32 on device); FINISH_NAMES maps them for the host.
 RUNNING, FINISH_STOP, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
@@ -228,23 +228,31 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
     batch = state.num_generated.shape[0]
     k = spec.num_draft
     proposer_state = state.proposer_state
+    key, propose_key, verify_key = jax.random.split(state.key, 3)
     if spec.proposer is not None:
         with jax.named_scope("propose"):
-            drafts, num_proposed, proposer_state = spec.proposer.propose(
-                draft_params, proposer_state, state.context)
+            context = state.context.replace(key=propose_key, sampling=request.sampling)
+            proposal, proposer_state = spec.proposer.propose(draft_params, proposer_state, context)
+        drafts, num_proposed = proposal.drafts, proposal.num_proposed
     else:
         drafts, num_proposed = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32)
 
     with jax.named_scope("verify"):
         verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, k+1]
         logits, _, cache = llama.forward(params, spec.cfg, verify_tokens, state.cache)
-    key = state.key
-    if k == 0:
-        key, step_key = jax.random.split(key)
-        committed = select(logits[:, 0], request.sampling, spec.sampler, step_key, state.seen)[:, None]
-        accepted = jnp.zeros((batch,), jnp.int32)
-    else:
-        accepted, committed = greedy_accept(drafts, num_proposed, logits)
+        if k == 0:
+            committed = select(logits[:, 0], request.sampling, spec.sampler, verify_key, state.seen)[:, None]
+            accepted = jnp.zeros((batch,), jnp.int32)
+        elif spec.sampler.greedy and not spec.sampler.repetition_penalty:
+            accepted, committed = greedy_accept(drafts, num_proposed, logits)
+        else:
+            # p at every position, each with the drafts before it counted as context (a
+            # repetition penalty sees them). Greedy rows are point masses: the same rule is exact.
+            seen = None if state.seen is None else positional_seen(state.seen, drafts).reshape(batch * (k + 1), -1)
+            target_probs = distribution(logits.reshape(batch * (k + 1), -1),
+                                        repeat_rows(request.sampling, k + 1), spec.sampler, seen)
+            accepted, committed = rejection_sample(drafts, num_proposed, proposal.probs,
+                                                   target_probs.reshape(batch, k + 1, -1), verify_key)
 
     running = state.running
     cache = cache.advance(jnp.where(running, accepted + 1, 0))

@@ -4,11 +4,14 @@ A proposer is a frozen, hashable dataclass (static under jit: its fields shape t
 three pure methods over its own state pytree:
 
     init(draft_params, prompt [B, P], prompt_length [B], capacity) -> state   at prefill
-    propose(draft_params, state, context) -> (drafts [B, k], num_proposed [B], state)
+    propose(draft_params, state, context) -> (Proposal, state)
     update(draft_params, state, accepted [B]) -> state       after verification
 
 `context` is the loop's token history: `tokens` int32[B, S] holds each row's prompt and committed
-tokens, `length` int32[B] how many (the last one is the pending token the target has not run).
+tokens, `length` int32[B] how many (the last one is the pending token the target has not run);
+plus the round's PRNG key and the request's sampling parameters, for proposers that sample.
+A proposal's `probs` is the distribution q each draft was drawn from, which lossless rejection
+sampling needs; None means point masses on the drafts (prompt lookup, argmax drafts).
 """
 
 from __future__ import annotations
@@ -23,12 +26,22 @@ from flax import struct
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.models import llama
+from jaxspec.sampling import SamplerSpec, SamplingParams, distribution
 
 
 @struct.dataclass
 class Context:
     tokens: jax.Array  # int32[B, S]: prompt then committed tokens, zero past `length`
     length: jax.Array  # int32[B]: valid tokens per row; tokens[b, length[b] - 1] is pending
+    key: jax.Array | None = None  # PRNG key for this round's draft sampling
+    sampling: SamplingParams | None = None
+
+
+@struct.dataclass
+class Proposal:
+    drafts: jax.Array  # int32[B, k]: entries past num_proposed are padding
+    num_proposed: jax.Array  # int32[B]
+    probs: jax.Array | None = None  # float32[B, k, V]: q of each draft; None = point masses
 
 
 class Proposer(Protocol):
@@ -37,7 +50,7 @@ class Proposer(Protocol):
 
     def init(self, draft_params: Any, prompt: jax.Array, prompt_length: jax.Array, capacity: int) -> Any: ...
 
-    def propose(self, draft_params: Any, state: Any, context: Context) -> tuple[jax.Array, jax.Array, Any]: ...
+    def propose(self, draft_params: Any, state: Any, context: Context) -> tuple[Proposal, Any]: ...
 
     def update(self, draft_params: Any, state: Any, accepted: jax.Array) -> Any: ...
 
@@ -88,7 +101,7 @@ class PromptLookup:
         take = jnp.clip(follow[:, None] + jnp.arange(k)[None, :], 0, size - 1)
         drafts = jnp.take_along_axis(tokens, take, axis=1)
         drafts = jnp.where(jnp.arange(k)[None, :] < num_proposed[:, None], drafts, 0)
-        return drafts, num_proposed, state
+        return Proposal(drafts=drafts, num_proposed=num_proposed), state
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,11 +115,28 @@ class DraftModel:
     the last two context tokens at once (T = 2: it catches up on whatever it has not seen, one or
     two tokens), then k - 1 single-token steps.
     Layer-skip self-speculation is this proposer with the target's own first layers as the draft.
+
+    With `sampler` set (sampled verification), `sample=True` draws each draft from the draft's
+    own processed distribution (the request's temperature, top-k, top-p, min-p) and reports it as
+    q; otherwise drafts are the draft's argmax, point masses.
     """
 
     num_draft: int
     config: ModelConfig
+    sample: bool = False
+    sampler: SamplerSpec | None = None
     name: str = "draft"
+
+    def _next(self, logits: jax.Array, context: Context, step: int) -> tuple[jax.Array, jax.Array | None]:
+        """The next draft token [B] and, when sampling, its distribution q [B, V]."""
+        if not self.sample:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        # The draft's q needs no repetition penalty: any q is exact as long as drafts are drawn from it.
+        spec = dataclasses.replace(self.sampler, repetition_penalty=False)
+        probs = distribution(logits, context.sampling, spec)
+        key = jax.random.fold_in(context.key, step)
+        token = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+        return token, probs
 
     def init(self, draft_params, prompt: jax.Array, prompt_length: jax.Array, capacity: int) -> KVCache:
         cache = KVCache.create(self.config, prompt.shape[0], capacity)
@@ -125,16 +155,22 @@ class DraftModel:
         logits, _, cache = llama.forward(draft_params, self.config, last_two, cache,
                                          logit_indices=jnp.ones((last_two.shape[0], 1), jnp.int32))
         cache = cache.advance(jnp.full_like(cache.length, 2))
-        first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        first, first_probs = self._next(logits[:, 0], context, 0)
 
-        def step(carry, _):
+        def step(carry, index):
             token, cache = carry
             logits, _, cache = llama.forward(draft_params, self.config, token[:, None], cache)
             cache = cache.advance(jnp.ones_like(cache.length))
-            following = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-            return (following, cache), following
+            following, probs = self._next(logits[:, 0], context, index)
+            return (following, cache), (following, probs)
 
         # A scan, not an unrolled loop: compile time stays flat in k.
-        (_, cache), rest = jax.lax.scan(step, (first, cache), None, length=self.num_draft - 1)
+        (_, cache), (rest, rest_probs) = jax.lax.scan(
+            step, (first, cache), jnp.arange(1, self.num_draft))
         drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, k]
-        return drafts, jnp.full(first.shape, self.num_draft, jnp.int32), cache
+        probs = None
+        if self.sample:
+            probs = jnp.concatenate([first_probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)  # [B, k, V]
+        proposal = Proposal(drafts=drafts, num_proposed=jnp.full(first.shape, self.num_draft, jnp.int32),
+                            probs=probs)
+        return proposal, cache
