@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.errors import InvalidRequestError
+
+PROB_SUM_TOLERANCE = 1e-3
 
 
 def accepted_prefix_length(matches: jax.Array) -> jax.Array:
@@ -55,6 +60,8 @@ def rejection_sample(
     """
     batch, k = drafts.shape
     vocab = target_probs.shape[-1]
+    if not isinstance(draft_probs, jax.core.Tracer) and not isinstance(target_probs, jax.core.Tracer):
+        check_distributions(drafts, draft_probs, target_probs)  # called eagerly: validate first
     if draft_probs is None:
         draft_probs = jax.nn.one_hot(drafts, vocab, dtype=target_probs.dtype)
     accept_key, residual_key = jax.random.split(key)
@@ -87,3 +94,33 @@ def positional_seen(seen: jax.Array, drafts: jax.Array) -> jax.Array:
     vocab = seen.shape[-1]
     drafted = jnp.cumsum(jax.nn.one_hot(drafts, vocab, dtype=jnp.int32), axis=1) > 0  # [B, k, V]
     return jnp.concatenate([seen[:, None], seen[:, None] | drafted], axis=1)
+
+
+def check_distributions(drafts, draft_probs, target_probs) -> None:
+    """Host-side validation for callers bringing their own q (a custom proposer calling the
+    verifier eagerly). Inside the loop our proposers build q by construction, so this is skipped
+    under jit. Raises InvalidRequestError naming the problem."""
+    drafts, target_probs = np.asarray(drafts), np.asarray(target_probs)
+    batch, k = drafts.shape
+    if target_probs.shape[:2] != (batch, k + 1):
+        raise InvalidRequestError(f"target_probs must be [B, k+1, V] = [{batch}, {k + 1}, V]; got {target_probs.shape}")
+    vocab = target_probs.shape[-1]
+    if drafts.size and not (0 <= drafts.min() and drafts.max() < vocab):
+        raise InvalidRequestError(f"draft token ids must be in [0, {vocab}); got {drafts.min()}..{drafts.max()}")
+    named = [("target_probs", target_probs)]
+    if draft_probs is not None:
+        draft_probs = np.asarray(draft_probs)
+        if draft_probs.shape != (batch, k, vocab):
+            raise InvalidRequestError(
+                f"draft probabilities must be [B, k, V] = [{batch}, {k}, {vocab}] (the target's vocabulary); "
+                f"got {draft_probs.shape}")
+        named.append(("draft probabilities", draft_probs))
+    for name, probs in named:
+        if not np.all(np.isfinite(probs)):
+            raise InvalidRequestError(f"{name} contain NaN or infinite values")
+        if np.any(probs < 0):
+            raise InvalidRequestError(f"{name} contain negative values")
+        sums = probs.sum(-1)
+        worst = float(np.abs(sums - 1).max()) if sums.size else 0.0
+        if worst > PROB_SUM_TOLERANCE:
+            raise InvalidRequestError(f"{name} must sum to 1 over the vocabulary; off by up to {worst:.3g}")
