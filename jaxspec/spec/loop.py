@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from flax import struct
 from jax.experimental import io_callback
 
+from jaxspec import models
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.models import llama
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, repeat_rows, select
 from jaxspec.spec.proposers import Context, Proposer
 from jaxspec.spec.verify import greedy_accept, positional_seen, rejection_sample
@@ -172,9 +172,9 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
     """Run the prompts, sample each row's first token, set up the proposer and the loop state."""
     cfg = spec.cfg
     batch, prompt_size = request.prompt.shape
-    cache = KVCache.create(cfg, batch, spec.capacity)
+    cache = models.create_cache(cfg, batch, spec.capacity)
     with jax.named_scope("prefill"):
-        logits, _, cache = llama.forward(
+        logits, _, cache = models.forward(
             params, cfg, request.prompt, cache, logit_indices=(request.prompt_length - 1)[:, None])
     cache = cache.set_length(request.prompt_length)
     in_prompt = jnp.arange(prompt_size)[None, :] < request.prompt_length[:, None]
@@ -239,7 +239,7 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
 
     with jax.named_scope("verify"):
         verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, k+1]
-        logits, _, cache = llama.forward(params, spec.cfg, verify_tokens, state.cache)
+        logits, _, cache = models.forward(params, spec.cfg, verify_tokens, state.cache)
         if k == 0:
             committed = select(logits[:, 0], request.sampling, spec.sampler, verify_key, state.seen)[:, None]
             accepted = jnp.zeros((batch,), jnp.int32)

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec import models
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.models import llama
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution
 
 
@@ -139,8 +139,8 @@ class DraftModel:
         return token, probs
 
     def init(self, draft_params, prompt: jax.Array, prompt_length: jax.Array, capacity: int) -> KVCache:
-        cache = KVCache.create(self.config, prompt.shape[0], capacity)
-        _, _, cache = llama.forward(draft_params, self.config, prompt, cache,
+        cache = models.create_cache(self.config, prompt.shape[0], capacity)
+        _, _, cache = models.forward(draft_params, self.config, prompt, cache,
                                     logit_indices=jnp.zeros((prompt.shape[0], 1), jnp.int32))
         # The context is prompt + first token; valid for all but its last two is prompt_length - 1.
         return cache.set_length(prompt_length - 1)
@@ -152,14 +152,14 @@ class DraftModel:
         last_two_at = jnp.maximum(context.length - 2, 0)[:, None] + jnp.arange(2)[None, :]  # [B, 2]
         last_two = jnp.take_along_axis(context.tokens, last_two_at, axis=1)
         cache = cache.set_length(last_two_at[:, 0])
-        logits, _, cache = llama.forward(draft_params, self.config, last_two, cache,
+        logits, _, cache = models.forward(draft_params, self.config, last_two, cache,
                                          logit_indices=jnp.ones((last_two.shape[0], 1), jnp.int32))
         cache = cache.advance(jnp.full_like(cache.length, 2))
         first, first_probs = self._next(logits[:, 0], context, 0)
 
         def step(carry, index):
             token, cache = carry
-            logits, _, cache = llama.forward(draft_params, self.config, token[:, None], cache)
+            logits, _, cache = models.forward(draft_params, self.config, token[:, None], cache)
             cache = cache.advance(jnp.ones_like(cache.length))
             following, probs = self._next(logits[:, 0], context, index)
             return (following, cache), (following, probs)
