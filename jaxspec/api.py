@@ -21,6 +21,7 @@ from jaxspec import checkpoints
 from jaxspec.config import ModelConfig
 from jaxspec.errors import InvalidRequestError
 from jaxspec.sampling import SamplingParams, spec_for
+from jaxspec.models import eagle3
 from jaxspec.spec import loop, proposers
 from jaxspec.tokenizer import Tokenizer
 
@@ -40,7 +41,11 @@ class Model:
 
 def load(name_or_path: str = DEFAULT_MODEL, *, use_cache: bool = True, progress: bool = False) -> Model:
     """Load a model: "smollm2-135m" (the default), a GGUF file, an HF or a converted directory."""
-    ckpt = checkpoints.load_checkpoint(name_or_path, use_cache=use_cache, progress=progress)
+    path = checkpoints.resolve_model(name_or_path)
+    if checkpoints.is_eagle3_dir(path):  # a draft head: no trunk, no tokenizer of its own
+        config, params = checkpoints.load_eagle3(path)
+        return Model(config=config, params=params, source=str(path))
+    ckpt = checkpoints.load_checkpoint(path, use_cache=use_cache, progress=progress)
     source = ckpt.tokenizer_source
     tokenizer = Tokenizer.from_gguf_metadata(source) if isinstance(source, dict) else Tokenizer.from_dir(source)
     return Model(config=ckpt.config, params=ckpt.params, tokenizer=tokenizer, source=str(ckpt.source))
@@ -156,7 +161,7 @@ def _check_sampling(temperature, top_k, top_p, min_p, repetition_penalty) -> Non
                 raise InvalidRequestError(f"{message}; got {float(v)!r}")
 
 
-METHODS = ("plain", "ngram", "draft", "layer_skip")
+METHODS = ("plain", "ngram", "draft", "layer_skip", "eagle3")
 MAX_DRAFT_TOKENS = 32  # beyond this a round costs far more than any acceptance can repay
 
 
@@ -177,7 +182,10 @@ def _proposer(model: Model, draft_params, method, num_draft_tokens, ngram_max, n
               exit_layer, draft_sampling, sampler) -> tuple[str, proposers.Proposer | None, Model | None]:
     """Resolve `method` (or infer it from `draft_params`) to a proposer and its draft model."""
     if method is None:
-        method = "plain" if draft_params is None else "draft"
+        if draft_params is None:
+            method = "plain"
+        else:
+            method = "eagle3" if isinstance(getattr(draft_params, "config", None), eagle3.Eagle3Config) else "draft"
     if method not in METHODS:
         raise InvalidRequestError(f"method must be one of {METHODS}; got {method!r}")
     if method == "plain":
@@ -198,6 +206,8 @@ def _proposer(model: Model, draft_params, method, num_draft_tokens, ngram_max, n
         if not (isinstance(ngram_min, int) and isinstance(ngram_max, int) and 1 <= ngram_min <= ngram_max <= 16):
             raise InvalidRequestError(f"need 1 <= ngram_min <= ngram_max <= 16; got {ngram_min}, {ngram_max}")
         return method, proposers.PromptLookup(num_draft=int(k), ngram_max=ngram_max, ngram_min=ngram_min), None
+    if method == "eagle3":
+        return method, _eagle3_proposer(model, draft_params, int(k), draft_sampling, sampler), draft_params
     if method == "layer_skip":
         if draft_params is None:
             draft_params = layer_skip(model, exit_layer if exit_layer is not None else model.config.num_layers // 2)
@@ -215,6 +225,35 @@ def _proposer(model: Model, draft_params, method, num_draft_tokens, ngram_max, n
     proposer = proposers.DraftModel(num_draft=int(k), config=draft_params.config, sample=sample,
                                     sampler=sampler if sample else None)
     return method, proposer, draft_params
+
+
+def _eagle3_proposer(model: Model, head: Model | None, k: int, draft_sampling, sampler) -> proposers.Eagle3:
+    """Check an EAGLE-3 head against its target, before anything is traced."""
+    if head is None or not isinstance(head.config, eagle3.Eagle3Config):
+        raise InvalidRequestError("method='eagle3' needs draft_params: an EAGLE-3 head from jaxspec.load(HEAD_DIR)")
+    cfg, target = head.config, model.config
+    if cfg.dim != target.dim:
+        raise InvalidRequestError(f"the EAGLE-3 head's hidden_size ({cfg.dim}) differs from the target's ({target.dim})")
+    if cfg.vocab_size != target.vocab_size:
+        raise InvalidRequestError(
+            f"the EAGLE-3 head maps into a vocabulary of {cfg.vocab_size}; the target's is {target.vocab_size}")
+    aux = cfg.resolved_aux_layers(target.num_layers)
+    if len(aux) != 3 or any(not 0 <= i < target.num_layers for i in aux):
+        raise InvalidRequestError(
+            f"EAGLE-3 aux layer ids {aux} must be three layer indices in [0, {target.num_layers}) of the target")
+    sample = not sampler.greedy and draft_sampling != "argmax"
+    return proposers.Eagle3(num_draft=k, config=cfg, aux_layer_ids=tuple(aux), sample=sample,
+                            sampler=sampler if sample else None)
+
+
+def _draft_arguments(model: Model, prepared: "_Prepared"):
+    """What the jitted program receives as draft_params: a draft trunk's params, or an EAGLE-3
+    head's params with the target's embedding beside them."""
+    if prepared.draft is None:
+        return None
+    if prepared.method == "eagle3":
+        return {"head": prepared.draft.params, "embed": model.params["embed"]}
+    return prepared.draft.params
 
 
 def _prepare(model: Model, prompt, *, draft_params=None, method=None, num_draft_tokens=4, ngram_max=3,
@@ -381,8 +420,8 @@ def generate(
 
     `prompt` is a string, a list of strings (a batch), token ids, or a batch of token ids.
     Speculation: `method` is "ngram" (prompt lookup), "draft" (`draft_params`, a model sharing
-    the vocabulary), "layer_skip" (the target's first `exit_layer` layers; default half), or
-    inferred from `draft_params`; `num_draft_tokens` (k) per round. Greedy speculative output
+    the vocabulary), "layer_skip" (the target's first `exit_layer` layers; default half),
+    "eagle3" (`draft_params`, an EAGLE-3 head), or inferred from `draft_params`; `num_draft_tokens` (k) per round. Greedy speculative output
     equals plain greedy output token for token.
     Sampling at temperature > 0 with the given filters and `seed` (same seed, same output);
     with a proposer, verification is lossless rejection sampling, and draft models draw their
@@ -397,7 +436,7 @@ def generate(
                         top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                         seed=seed, chat=chat, stop=stop, stop_token_ids=stop_token_ids,
                         ignore_eos=ignore_eos)
-    draft = prepared.draft.params if prepared.draft is not None else None
+    draft = _draft_arguments(model, prepared)
     program, compile_seconds = _compile(loop.run_jit, model.params, draft, prepared.request, spec=prepared.spec)
     loop._prefill_done_at.clear()
     start = time.perf_counter()
@@ -427,8 +466,7 @@ class Stream:
 
     def __iter__(self) -> Iterator[str | int]:
         model, prepared = self._model, self._prepared
-        draft = prepared.draft.params if prepared.draft is not None else None
-        args = (model.params, draft)
+        args = (model.params, _draft_arguments(model, prepared))
         prefill, compile_prefill = _compile(loop.prefill_jit, *args, prepared.request, spec=prepared.spec)
         state_shape = jax.eval_shape(functools.partial(loop.prefill, spec=prepared.spec), *args,
                                      prepared.request)

@@ -3,6 +3,12 @@
 Rows of a batch advance independently, so every write lands at that row's own offset and every
 mask comes from that row's length. Rollback is setting `length` back: the stale entries past it
 are masked out and overwritten by the next write, so nothing is copied or erased.
+
+K and V are each stored in a `KVFormat`: float32 (the default), bfloat16, or ggml's q8_0 / q5_1
+blocks (`jaxspec.pallas.kv_quant`), e.g. `KVFormat.parse(("q8_0", "q5_1"))`. A block format
+quantizes each token's head vector on its own as it is written, so per-row offsets and rollback
+by length work unchanged. The format is static: it is the buffers' pytree type and dtype, fixed
+by `KVCache.create`.
 """
 
 from __future__ import annotations
@@ -14,28 +20,85 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.config import ModelConfig
+from jaxspec.errors import InvalidRequestError
+from jaxspec.pallas import kv_quant
+from jaxspec.pallas.kv_quant import Format, Packed
 
 # Logical axis names, stable so shardings can be declared later without touching the models
 # (DESIGN.md contract 8): batch shards data-parallel, kv heads tensor-parallel.
 KV_AXES = ("batch", "kv_heads", "kv_seq", "head_dim")
 
 
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+    """How K and how V are stored; hashable, so it can sit in a static spec."""
+
+    keys: Format = Format.F32
+    values: Format = Format.F32
+
+    @classmethod
+    def parse(cls, spec: "KVFormat | str | tuple[str, str] | list[str] | None") -> "KVFormat":
+        """None -> float32; "q8_0" -> both; ("q8_0", "q5_1") -> K in q8_0, V in q5_1."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, KVFormat):
+            return spec
+        if isinstance(spec, (str, Format)):
+            return cls(Format.parse(spec), Format.parse(spec))
+        if isinstance(spec, (tuple, list)) and len(spec) == 2:
+            return cls(Format.parse(spec[0]), Format.parse(spec[1]))
+        raise InvalidRequestError(
+            f"kv_format must be a format name or a (keys, values) pair of them, e.g. ('q8_0', 'q5_1'); "
+            f"got {spec!r}")
+
+    def check(self, cfg: ModelConfig) -> None:
+        """UnsupportedModelError when a block format does not tile the model's head dim."""
+        self.keys.check_head_dim(cfg.head_dim)
+        self.values.check_head_dim(cfg.head_dim)
+
+    def bytes_per_token(self, cfg: ModelConfig) -> int:
+        """KV bytes one token occupies across all layers and kv heads."""
+        per_head = (self.keys.bytes_per_block + self.values.bytes_per_block) * cfg.head_dim // kv_quant.BLOCK
+        return cfg.num_layers * cfg.num_kv_heads * per_head
+
+    def __str__(self) -> str:
+        return f"{self.keys.value}/{self.values.value}"
+
+
+_DTYPE_FORMATS = {jnp.dtype(jnp.float32): Format.F32, jnp.dtype(jnp.bfloat16): Format.BF16}
+
+
 @struct.dataclass
 class KVCache:
     # [B, K, S, H]: (batch, kv head) lead so attention's einsums batch over them without
-    # transposing the cache, and each head's keys are contiguous along S.
-    keys: tuple[jax.Array, ...]  # L x [B, K, S, H]
-    values: tuple[jax.Array, ...]  # L x [B, K, S, H]
+    # transposing the cache, and each head's keys are contiguous along S. A quantized buffer is
+    # a pytree whose leaves are [B, K, S, X] (kv_quant.Q8_0 / Q5_1), packed along H.
+    keys: tuple[Packed, ...]  # L x [B, K, S, H]
+    values: tuple[Packed, ...]  # L x [B, K, S, H]
     length: jax.Array  # int32[B]: tokens committed per row; positions >= length are free
 
     @classmethod
-    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
+    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32, *,
+               kv_format: "KVFormat | str | tuple[str, str] | None" = None) -> "KVCache":
+        """Zeroed buffers for `capacity` slots per row. `kv_format` (default: `dtype`, float32)
+        picks the storage of K and V; a block format needs a head dim divisible by 32."""
+        if kv_format is None:
+            try:
+                kv_format = KVFormat(_DTYPE_FORMATS[jnp.dtype(dtype)], _DTYPE_FORMATS[jnp.dtype(dtype)])
+            except KeyError:
+                raise InvalidRequestError(f"KV cache dtype must be float32 or bfloat16; got {dtype}") from None
+        kv_format = KVFormat.parse(kv_format)
+        kv_format.check(cfg)
         shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         return cls(
-            keys=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-            values=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+            keys=tuple(kv_quant.zeros(shape, kv_format.keys) for _ in range(cfg.num_layers)),
+            values=tuple(kv_quant.zeros(shape, kv_format.values) for _ in range(cfg.num_layers)),
             length=jnp.zeros((batch,), jnp.int32),
         )
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return KVFormat(kv_quant.format_of(self.keys[0]), kv_quant.format_of(self.values[0]))
 
     @property
     def batch(self) -> int:
@@ -44,6 +107,11 @@ class KVCache:
     @property
     def capacity(self) -> int:  # S
         return self.keys[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the K/V buffers (the packed bytes for a block format)."""
+        return sum(kv_quant.nbytes(buffer) for buffer in self.keys + self.values)
 
     def set_length(self, length: jax.Array) -> "KVCache":
         """Commit or roll back: the first `length[b]` entries of row b are the valid ones."""
@@ -57,6 +125,8 @@ class KVCache:
 def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
     """Write `new` [B, T, K, H] into `buffer` [B, K, S, H] at per-row `offsets` int32[B].
 
+    Any trailing width works the same (a packed leaf: new [B, T, K, X] into [B, K, S, X]).
+
     A scatter with mode="drop": a write past the capacity is discarded, never clamped onto
     valid entries (dynamic_update_slice would clamp and silently overwrite the row's tail).
     """
@@ -64,3 +134,12 @@ def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Arr
     rows = jnp.arange(batch)[:, None]  # [B, 1]
     cols = offsets[:, None] + jnp.arange(steps)[None, :]  # [B, T]
     return buffer.at[rows, :, cols].set(new.astype(buffer.dtype), mode="drop")
+
+
+def write_kv(buffer: Packed, new: jax.Array, offsets: jax.Array, quantize=kv_quant.quantize_reference) -> Packed:
+    """`write_rows` for a buffer in any format: `new` [B, T, K, H] is quantized (by `quantize`,
+    the jnp reference or the Pallas kernel) and each packed leaf lands at the rows' offsets."""
+    if not isinstance(buffer, (kv_quant.Q8_0, kv_quant.Q5_1)):
+        return write_rows(buffer, new, offsets)
+    packed = quantize(new, kv_quant.format_of(buffer))
+    return jax.tree.map(lambda leaf, update: write_rows(leaf, update, offsets), buffer, packed)

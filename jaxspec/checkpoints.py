@@ -1047,6 +1047,11 @@ def load_checkpoint(
     if path.is_dir():
         if (path / JAXSPEC_META).is_file():
             return _load_converted(path)
+        from jaxspec.models import qwen35  # Qwen3.5 hybrids (model_type qwen3_5[_text]) load there
+
+        if qwen35.is_hf_dir(path):
+            cfg, host_params = qwen35.load_hf_dir(path, progress=progress)
+            return Checkpoint(config=cfg, params=_to_jax(host_params), tokenizer_source=path, source=path)
         cfg, host_params = _load_hf_dir(path, progress=progress)
         return Checkpoint(config=cfg, params=_to_jax(host_params), tokenizer_source=path, source=path)
     return _load_gguf(path, use_cache=use_cache, progress=progress)
@@ -1098,3 +1103,97 @@ def info(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
         "file_size_bytes": file_size,
         "param_count": param_count,
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# EAGLE-3 draft heads
+# ----------------------------------------------------------------------------------------------
+
+# jaxspec param name -> (tensor name in the checkpoint, shape as a function of the config)
+_EAGLE3_TENSORS = {
+    "fc": ("fc.weight", lambda c: (c.dim, 3 * c.dim)),
+    "input_layernorm": ("midlayer.input_layernorm.weight", lambda c: (c.dim,)),
+    "hidden_norm": ("midlayer.hidden_norm.weight", lambda c: (c.dim,)),
+    "q_proj": ("midlayer.self_attn.q_proj.weight", lambda c: (c.num_heads * c.head_dim, 2 * c.dim)),
+    "k_proj": ("midlayer.self_attn.k_proj.weight", lambda c: (c.num_kv_heads * c.head_dim, 2 * c.dim)),
+    "v_proj": ("midlayer.self_attn.v_proj.weight", lambda c: (c.num_kv_heads * c.head_dim, 2 * c.dim)),
+    "o_proj": ("midlayer.self_attn.o_proj.weight", lambda c: (c.dim, c.num_heads * c.head_dim)),
+    "post_attention_layernorm": ("midlayer.post_attention_layernorm.weight", lambda c: (c.dim,)),
+    "gate_proj": ("midlayer.mlp.gate_proj.weight", lambda c: (c.ffn_dim, c.dim)),
+    "up_proj": ("midlayer.mlp.up_proj.weight", lambda c: (c.ffn_dim, c.dim)),
+    "down_proj": ("midlayer.mlp.down_proj.weight", lambda c: (c.dim, c.ffn_dim)),
+    "norm": ("norm.weight", lambda c: (c.dim,)),
+    "lm_head": ("lm_head.weight", lambda c: (c.draft_vocab_size, c.dim)),
+}
+
+
+def is_eagle3_dir(path: pathlib.Path) -> bool:
+    from jaxspec.models import eagle3
+
+    return path.is_dir() and (path / "config.json").is_file() and eagle3.is_eagle3_config(
+        _read_json(path / "config.json"))
+
+
+def load_eagle3(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
+    """An EAGLE-3 head directory: config.json + model.safetensors (fc, midlayer.*, norm, lm_head,
+    d2t int64, t2d bool). Returns (Eagle3Config, params) with d2t as int32."""
+    from jaxspec.models import eagle3
+
+    directory = pathlib.Path(directory)
+    cfg = eagle3.config_from_hf(_read_json(directory / "config.json"))
+    files = hf_weight_files(directory)
+    params: Params = {}
+    with contextlib.ExitStack() as stack:
+        reader = _SafetensorsReader(files, stack)
+        for name, (tensor, shape_of) in _EAGLE3_TENSORS.items():
+            if tensor not in files:
+                raise CheckpointError(f"{directory} lacks EAGLE-3 tensor {tensor!r}")
+            if reader.dtype(tensor) not in ("F32", "F16", "BF16"):
+                raise CheckpointError(f"EAGLE-3 tensor {tensor!r} has dtype {reader.dtype(tensor)}; expected a float type")
+            value = reader.read(tensor)
+            if value.shape != shape_of(cfg):
+                raise CheckpointError(f"EAGLE-3 tensor {tensor!r} has shape {value.shape}, config implies {shape_of(cfg)}")
+            params[name] = value
+        if "d2t" not in files:
+            raise CheckpointError(f"{directory} lacks EAGLE-3 tensor 'd2t'")
+        if reader.dtype("d2t") not in ("I64", "I32"):
+            raise CheckpointError(f"EAGLE-3 tensor 'd2t' has dtype {reader.dtype('d2t')}; expected an integer type")
+        d2t = np.asarray(reader._handle(files["d2t"]).get_tensor("d2t")).astype(np.int64)
+    if d2t.shape != (cfg.draft_vocab_size,):
+        raise CheckpointError(f"EAGLE-3 tensor 'd2t' has shape {d2t.shape}, expected ({cfg.draft_vocab_size},)")
+    target_ids = np.arange(cfg.draft_vocab_size) + d2t
+    if target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size:
+        bad = int(np.argmax((target_ids < 0) | (target_ids >= cfg.vocab_size)))
+        raise CheckpointError(
+            f"EAGLE-3 'd2t' maps draft id {bad} to {int(target_ids[bad])}, outside the target vocabulary [0, {cfg.vocab_size})")
+    if len(np.unique(target_ids)) != len(target_ids):
+        raise CheckpointError("EAGLE-3 'd2t' maps two draft ids to the same target id")
+    params["d2t"] = d2t.astype(np.int32)
+    return cfg, _to_jax(params)
+
+
+def save_eagle3(directory: str | os.PathLike[str], cfg: Any, params: Params, *, dtype=np.float32) -> None:
+    """Write a head in the checkpoint format `load_eagle3` reads (tests, training)."""
+    from safetensors.numpy import save_file
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {tensor: np.asarray(params[name], dtype) for name, (tensor, _) in _EAGLE3_TENSORS.items()}
+    d2t = np.asarray(params["d2t"], np.int64)
+    tensors["d2t"] = d2t
+    t2d = np.zeros(cfg.vocab_size, bool)
+    target_ids = np.arange(cfg.draft_vocab_size) + d2t
+    t2d[target_ids[(target_ids >= 0) & (target_ids < cfg.vocab_size)]] = True
+    tensors["t2d"] = t2d
+    save_file(tensors, str(directory / "model.safetensors"))
+    hf = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": cfg.dim,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim, "draft_vocab_size": cfg.draft_vocab_size, "vocab_size": cfg.vocab_size,
+        "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps, "num_hidden_layers": 1,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim,
+    }
+    if cfg.aux_layer_ids is not None:
+        hf["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)}
+    (directory / "config.json").write_text(json.dumps(hf, indent=2), encoding="utf-8")

@@ -18,11 +18,12 @@ from typing import Any
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.models import llama
+from jaxspec.models import llama, qwen35
 
 # config class -> (forward, create_cache(cfg, batch, capacity))
 _TRUNKS: dict[type, tuple[Callable[..., Any], Callable[..., Any]]] = {
     ModelConfig: (llama.forward, KVCache.create),
+    qwen35.Qwen35Config: (qwen35.forward, qwen35.Qwen35Cache.create),
 }
 
 

@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import KVCache, write_rows
+from jaxspec.cache import KVCache, write_kv
 from jaxspec.config import ModelConfig
+from jaxspec.pallas.flash_decode import Attention, attend, quantize_for
+from jaxspec.pallas.kv_quant import Packed
 
 Params = dict[str, Any]
 
@@ -131,9 +133,14 @@ def _project(w: jax.Array, h: jax.Array, bias: jax.Array | None = None) -> jax.A
 
 def _attention(
     layer: Params, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
-    keys: jax.Array, values: jax.Array, offsets: jax.Array, batch: int, steps: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Self-attention of T new tokens per row over that row's cache. h: [D, B*T] (normed)."""
+    keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
+    *, attention: Attention | str = Attention.AUTO,
+) -> tuple[jax.Array, Packed, Packed]:
+    """Self-attention of T new tokens per row over that row's cache. h: [D, B*T] (normed).
+
+    keys/values are the layer's buffers in the cache's format; `attention` picks the Pallas
+    kernel or the XLA reference (jaxspec.pallas.flash_decode.Attention).
+    """
     N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
     q = _project(layer["q_proj"], h, layer.get("q_bias")).reshape(N, H, batch, steps)
     k = _project(layer["k_proj"], h, layer.get("k_bias")).reshape(K, H, batch, steps)
@@ -144,19 +151,17 @@ def _attention(
     q = apply_rope(q, cos, sin, cfg.rotary_dim)
     k = apply_rope(k, cos, sin, cfg.rotary_dim)
 
-    # The new keys/values land at each row's own offset; the mask below hides everything past it.
-    keys = write_rows(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets)  # [B, K, S, H]
-    values = write_rows(values, jnp.transpose(v, (2, 3, 0, 1)), offsets)
+    # The new keys/values land at each row's own offset (quantized on the way in for a block
+    # format); attention then reads them back from the cache like every other slot, so a T = 1
+    # and a T = k+1 forward see the same stored values.
+    quantize = quantize_for(attention)
+    keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
+    values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
 
-    # Queries as [B, K, G*T, H]: one batched matmul per (row, kv head) against its cache.
-    q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 0, 1, 4, 2)).reshape(batch, K, G * steps, H)
-    scores = jnp.einsum("BKQH,BKSH->BKQS", q * (1.0 / math.sqrt(H)), keys)
-    slot = offsets[:, None] + jnp.arange(steps)[None, :]  # [B, T]: cache slot of each query
-    visible = jnp.arange(keys.shape[2])[None, None, :] <= jnp.tile(slot, (1, G))[:, :, None]  # [B, G*T, S]
-    scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values).reshape(batch, K, G, steps, H)
-    out = jnp.transpose(out, (1, 2, 4, 0, 3)).reshape(N * H, batch * steps)  # [N*H, B*T]
+    # Queries as [B, T, K, G, H] (GQA: query head k*G + g reads kv head k).
+    q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 4, 0, 1, 2))
+    out = attend(q, keys, values, offsets, attention=attention)  # [B, T, K, G, H]
+    out = jnp.transpose(out, (2, 3, 4, 0, 1)).reshape(N * H, batch * steps)  # [N*H, B*T]
     return layer["o_proj"] @ out, keys, values
 
 
@@ -169,6 +174,7 @@ def forward(
     positions: jax.Array | None = None,
     logit_indices: jax.Array | None = None,
     hidden_layers: tuple[int, ...] = (),
+    attention: Attention | str = Attention.AUTO,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
     """Run T new tokens per row through the trunk.
 
@@ -177,8 +183,12 @@ def forward(
     positions: int32[B, T] RoPE positions, default the slots.
     logit_indices: int32[B, P] which of the T positions need logits (prefill needs one per row);
         default all T.
-    hidden_layers: residual stream after these layers (0-based; HF's hidden_states[i + 1]) is
-        returned in the order asked, each [B, T, D].
+    hidden_layers: residual stream after these layers (0-based; HF's hidden_states[i + 1]; -1 is
+        the embedding output, the stream entering layer 0) is returned in the order asked, each
+        [B, T, D].
+    attention: "auto" (the Pallas kernel on GPU, the XLA reference elsewhere), "reference",
+        "pallas", or "interpret" (the kernel in the Pallas interpreter, for tests). The cache's
+        own KV format (`KVCache.create(..., kv_format=...)`) decides how K/V are stored and read.
 
     Returns logits float32[B, P, V], the requested hiddens, and the cache.
     """
@@ -190,12 +200,12 @@ def forward(
     cos, sin = jnp.cos(angles), jnp.sin(angles)
 
     h = jnp.take(params["embed"], tokens.reshape(-1), axis=0).T  # [D, B*T]
-    new_keys, new_values, hiddens = [], [], {}
+    new_keys, new_values, hiddens = [], [], {-1: h}
     for index, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{index}"):
             attn_out, k_buf, v_buf = _attention(
                 layer, cfg, rms_norm(h, layer["attn_norm"], cfg.norm_eps), cos, sin,
-                cache.keys[index], cache.values[index], offsets, batch, steps,
+                cache.keys[index], cache.values[index], offsets, batch, steps, attention=attention,
             )
             h = h + attn_out
             x = rms_norm(h, layer["mlp_norm"], cfg.norm_eps)

@@ -27,7 +27,7 @@ from jaxspec import models
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, repeat_rows, select
-from jaxspec.spec.proposers import Context, Proposer
+from jaxspec.spec.proposers import Context, Prefill, Proposer, Verified
 from jaxspec.spec.verify import greedy_accept, positional_seen, rejection_sample
 
 # finish_reason codes (int32 on device); FINISH_NAMES maps them for the host.
@@ -49,6 +49,10 @@ class LoopSpec:
     @property
     def num_draft(self) -> int:  # k
         return 0 if self.proposer is None else self.proposer.num_draft
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:  # what the proposer reads from each target forward
+        return () if self.proposer is None else self.proposer.target_hidden_layers
 
 
 @struct.dataclass
@@ -174,8 +178,9 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
     batch, prompt_size = request.prompt.shape
     cache = models.create_cache(cfg, batch, spec.capacity)
     with jax.named_scope("prefill"):
-        logits, _, cache = models.forward(
-            params, cfg, request.prompt, cache, logit_indices=(request.prompt_length - 1)[:, None])
+        logits, hiddens, cache = models.forward(
+            params, cfg, request.prompt, cache, logit_indices=(request.prompt_length - 1)[:, None],
+            hidden_layers=spec.hidden_layers)
     cache = cache.set_length(request.prompt_length)
     in_prompt = jnp.arange(prompt_size)[None, :] < request.prompt_length[:, None]
     seen = None
@@ -190,8 +195,9 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
     proposer_state = None
     if spec.proposer is not None:
         with jax.named_scope("proposer_init"):
-            proposer_state = spec.proposer.init(draft_params, request.prompt, request.prompt_length,
-                                                spec.capacity)
+            prefilled = Prefill(prompt=request.prompt, prompt_length=request.prompt_length,
+                                first_token=first, hiddens=hiddens)
+            proposer_state = spec.proposer.init(draft_params, prefilled, spec.capacity)
     state = DecodeState(
         cache=cache,
         tokens=history,
@@ -239,7 +245,8 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
 
     with jax.named_scope("verify"):
         verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, k+1]
-        logits, _, cache = models.forward(params, spec.cfg, verify_tokens, state.cache)
+        logits, hiddens, cache = models.forward(params, spec.cfg, verify_tokens, state.cache,
+                                                hidden_layers=spec.hidden_layers)
         if k == 0:
             committed = select(logits[:, 0], request.sampling, spec.sampler, verify_key, state.seen)[:, None]
             accepted = jnp.zeros((batch,), jnp.int32)
@@ -255,9 +262,11 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
                                                    target_probs.reshape(batch, k + 1, -1), verify_key)
 
     running = state.running
-    cache = cache.advance(jnp.where(running, accepted + 1, 0))
+    num_committed = jnp.where(running, accepted + 1, 0)
+    cache = cache.advance(num_committed)
     if spec.proposer is not None:
-        proposer_state = spec.proposer.update(draft_params, proposer_state, accepted)
+        verified = Verified(accepted=accepted, committed=committed, num_committed=num_committed, hiddens=hiddens)
+        proposer_state = spec.proposer.update(draft_params, proposer_state, verified)
     state = state.replace(
         cache=cache, key=key, proposer_state=proposer_state,
         stats=_count_round(state.stats, running, num_proposed, accepted, k),

@@ -3,9 +3,12 @@
 A proposer is a frozen, hashable dataclass (static under jit: its fields shape the program) with
 three pure methods over its own state pytree:
 
-    init(draft_params, prompt [B, P], prompt_length [B], capacity) -> state   at prefill
+    init(draft_params, prefill: Prefill, capacity) -> state      after the target's prefill
     propose(draft_params, state, context) -> (Proposal, state)
-    update(draft_params, state, accepted [B]) -> state       after verification
+    update(draft_params, state, verified: Verified) -> state     after verification
+
+and a static `target_hidden_layers`: the trunk's residual streams the proposer needs (EAGLE-3's
+aux layers), returned by the prefill and every verify forward, so no second target forward.
 
 `context` is the loop's token history: `tokens` int32[B, S] holds each row's prompt and committed
 tokens, `length` int32[B] how many (the last one is the pending token the target has not run);
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import models
+from jaxspec.models import eagle3
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution
@@ -38,6 +42,22 @@ class Context:
 
 
 @struct.dataclass
+class Prefill:
+    prompt: jax.Array  # int32[B, P]: right-padded prompts
+    prompt_length: jax.Array  # int32[B]
+    first_token: jax.Array  # int32[B]: sampled from the prefill, the first pending token
+    hiddens: tuple[jax.Array, ...]  # target_hidden_layers, each [B, P, D]
+
+
+@struct.dataclass
+class Verified:
+    accepted: jax.Array  # int32[B]: n, drafts accepted this round (0 for finished rows)
+    committed: jax.Array  # int32[B, k+1]: d_1 .. d_n then the bonus token, then padding
+    num_committed: jax.Array  # int32[B]: n + 1 for rows that ran this round, else 0
+    hiddens: tuple[jax.Array, ...]  # target_hidden_layers over [pending, d_1 .. d_k], each [B, k+1, D]
+
+
+@struct.dataclass
 class Proposal:
     drafts: jax.Array  # int32[B, k]: entries past num_proposed are padding
     num_proposed: jax.Array  # int32[B]
@@ -47,12 +67,13 @@ class Proposal:
 class Proposer(Protocol):
     num_draft: int  # k: drafts per round (fixed shape; rows may propose fewer)
     name: str
+    target_hidden_layers: tuple[int, ...]
 
-    def init(self, draft_params: Any, prompt: jax.Array, prompt_length: jax.Array, capacity: int) -> Any: ...
+    def init(self, draft_params: Any, prefill: Prefill, capacity: int) -> Any: ...
 
     def propose(self, draft_params: Any, state: Any, context: Context) -> tuple[Proposal, Any]: ...
 
-    def update(self, draft_params: Any, state: Any, accepted: jax.Array) -> Any: ...
+    def update(self, draft_params: Any, state: Any, verified: Verified) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,11 +89,12 @@ class PromptLookup:
     ngram_max: int = 3
     ngram_min: int = 1
     name: str = "ngram"
+    target_hidden_layers: tuple[int, ...] = ()
 
-    def init(self, draft_params, prompt, prompt_length, capacity):
+    def init(self, draft_params, prefill, capacity):
         return None
 
-    def update(self, draft_params, state, accepted):
+    def update(self, draft_params, state, verified):
         return state
 
     def propose(self, draft_params, state, context: Context):
@@ -126,26 +148,17 @@ class DraftModel:
     sample: bool = False
     sampler: SamplerSpec | None = None
     name: str = "draft"
+    target_hidden_layers: tuple[int, ...] = ()
 
-    def _next(self, logits: jax.Array, context: Context, step: int) -> tuple[jax.Array, jax.Array | None]:
-        """The next draft token [B] and, when sampling, its distribution q [B, V]."""
-        if not self.sample:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-        # The draft's q needs no repetition penalty: any q is exact as long as drafts are drawn from it.
-        spec = dataclasses.replace(self.sampler, repetition_penalty=False)
-        probs = distribution(logits, context.sampling, spec)
-        key = jax.random.fold_in(context.key, step)
-        token = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
-        return token, probs
-
-    def init(self, draft_params, prompt: jax.Array, prompt_length: jax.Array, capacity: int) -> KVCache:
-        cache = models.create_cache(self.config, prompt.shape[0], capacity)
-        _, _, cache = models.forward(draft_params, self.config, prompt, cache,
-                                    logit_indices=jnp.zeros((prompt.shape[0], 1), jnp.int32))
+    def init(self, draft_params, prefill: Prefill, capacity: int) -> KVCache:
+        batch = prefill.prompt.shape[0]
+        cache = models.create_cache(self.config, batch, capacity)
+        _, _, cache = models.forward(draft_params, self.config, prefill.prompt, cache,
+                                     logit_indices=jnp.zeros((batch, 1), jnp.int32))
         # The context is prompt + first token; valid for all but its last two is prompt_length - 1.
-        return cache.set_length(prompt_length - 1)
+        return cache.set_length(prefill.prompt_length - 1)
 
-    def update(self, draft_params, state, accepted):
+    def update(self, draft_params, state, verified):
         return state
 
     def propose(self, draft_params, cache: KVCache, context: Context):
@@ -155,13 +168,13 @@ class DraftModel:
         logits, _, cache = models.forward(draft_params, self.config, last_two, cache,
                                          logit_indices=jnp.ones((last_two.shape[0], 1), jnp.int32))
         cache = cache.advance(jnp.full_like(cache.length, 2))
-        first, first_probs = self._next(logits[:, 0], context, 0)
+        first, first_probs = _next_token(logits[:, 0], context, 0, self.sample, self.sampler)
 
         def step(carry, index):
             token, cache = carry
             logits, _, cache = models.forward(draft_params, self.config, token[:, None], cache)
             cache = cache.advance(jnp.ones_like(cache.length))
-            following, probs = self._next(logits[:, 0], context, index)
+            following, probs = _next_token(logits[:, 0], context, index, self.sample, self.sampler)
             return (following, cache), (following, probs)
 
         # A scan, not an unrolled loop: compile time stays flat in k.
@@ -174,3 +187,106 @@ class DraftModel:
         proposal = Proposal(drafts=drafts, num_proposed=jnp.full(first.shape, self.num_draft, jnp.int32),
                             probs=probs)
         return proposal, cache
+
+
+def _next_token(logits: jax.Array, context: Context, step: int, sample: bool,
+                sampler: SamplerSpec | None) -> tuple[jax.Array, jax.Array | None]:
+    """A draft token [B] from draft logits [B, V] and, when sampling, its distribution q [B, V].
+
+    The draft's q needs no repetition penalty: any q is exact as long as drafts are drawn from it.
+    `step` (possibly traced) folds into the round's key, so every draft position draws afresh.
+    """
+    if not sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    probs = distribution(logits, context.sampling, dataclasses.replace(sampler, repetition_penalty=False))
+    token = jax.random.categorical(jax.random.fold_in(context.key, step), jnp.log(probs), axis=-1)
+    return token.astype(jnp.int32), probs
+
+
+@struct.dataclass
+class Eagle3State:
+    cache: KVCache  # the head's KV over the whole sequence; length == the target cache's
+    g_next: jax.Array  # [B, D]: the head's output at the last committed position
+    next_logits: jax.Array  # [B, Vd]: draft logits for the token after the pending one
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eagle3:
+    """EAGLE-3 drafting (see jaxspec.models.eagle3 for the head).
+
+    The head keeps its own KV over the whole sequence across rounds (as vLLM does), not a
+    scratch buffer: after each verify, the committed positions are written into it from the
+    target's own features (one head forward over the k + 1 verified positions, padded), and the
+    last of them yields the next round's first draft. Later drafts within a round run on the
+    head's own g; their KV slots are speculative and rolled back by length.
+    draft_params: {"head": head params, "embed": the target's embedding [V, D]}.
+    """
+
+    num_draft: int
+    config: "eagle3.Eagle3Config"
+    aux_layer_ids: tuple[int, ...]  # input-of-layer spelling (see models/eagle3.py)
+    sample: bool = False
+    sampler: SamplerSpec | None = None
+    name: str = "eagle3"
+
+    @property
+    def target_hidden_layers(self) -> tuple[int, ...]:
+        return eagle3.target_hidden_layers(self.aux_layer_ids)
+
+    def _absorb(self, draft_params, cache: KVCache, tokens, features, count) -> Eagle3State:
+        """Write (feature p, token p + 1) pairs at the cache's offsets and commit `count` per row."""
+        head = draft_params["head"]
+        g = eagle3.encode(head, features)
+        logits, g_next, cache = eagle3.forward(head, self.config, draft_params["embed"], tokens, g, cache)
+        last = jnp.maximum(count - 1, 0)[:, None]
+        return Eagle3State(
+            cache=cache.advance(count),
+            g_next=jnp.take_along_axis(g_next, last[:, :, None], axis=1)[:, 0],
+            next_logits=jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0],
+        )
+
+    def _draft_token(self, draft_params, logits, context, step):
+        """Draft-vocabulary logits -> target token id [B], and q over the target vocabulary."""
+        head = draft_params["head"]
+        draft_id, draft_probs = _next_token(logits, context, step, self.sample, self.sampler)
+        token = eagle3.to_target_ids(head, draft_id)
+        if draft_probs is None:
+            return token, None
+        all_targets = eagle3.to_target_ids(head, jnp.arange(logits.shape[-1]))
+        probs = jnp.zeros((logits.shape[0], self.config.vocab_size)).at[:, all_targets].set(draft_probs)
+        return token, probs
+
+    def init(self, draft_params, prefill: Prefill, capacity: int) -> Eagle3State:
+        batch, size = prefill.prompt.shape
+        cache = eagle3.create_cache(self.config, batch, capacity)
+        # Feature p pairs with token p + 1: the prompt shifted left, the first token at the end.
+        shifted = jnp.concatenate([prefill.prompt[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
+        last = (prefill.prompt_length - 1)[:, None]
+        tokens = jnp.where(jnp.arange(size)[None, :] == last, prefill.first_token[:, None], shifted)
+        return self._absorb(draft_params, cache, tokens, prefill.hiddens, prefill.prompt_length)
+
+    def propose(self, draft_params, state: Eagle3State, context: Context):
+        first, first_probs = self._draft_token(draft_params, state.next_logits, context, 0)
+        committed_length = state.cache.length
+
+        def step(carry, index):
+            token, g, cache = carry
+            logits, g_next, cache = eagle3.forward(draft_params["head"], self.config, draft_params["embed"],
+                                                   token[:, None], g[:, None], cache)
+            following, probs = self._draft_token(draft_params, logits[:, 0], context, index)
+            return (following, g_next[:, 0], cache.advance(jnp.ones_like(cache.length))), (following, probs)
+
+        (_, _, cache), (rest, rest_probs) = jax.lax.scan(
+            step, (first, state.g_next, state.cache), jnp.arange(1, self.num_draft))
+        drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, k]
+        probs = None
+        if self.sample:
+            probs = jnp.concatenate([first_probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
+        # The speculative slots stay written but uncommitted: the update overwrites them.
+        state = state.replace(cache=cache.set_length(committed_length))
+        return Proposal(drafts=drafts, num_proposed=jnp.full(first.shape, self.num_draft, jnp.int32),
+                        probs=probs), state
+
+    def update(self, draft_params, state: Eagle3State, verified: Verified) -> Eagle3State:
+        return self._absorb(draft_params, state.cache, verified.committed, verified.hiddens,
+                            verified.num_committed)

@@ -1,0 +1,182 @@
+"""The EAGLE-3 draft head (Li et al. 2025), as vLLM's `llama_eagle3.py` runs it.
+
+    g      = fc(concat(aux_1, aux_2, aux_3))             3D -> D, no bias (target features)
+    step:  e      = target_embedding(token)
+           cat    = [RMSNorm_in(e); RMSNorm_hidden(g)]     2D
+           x1     = g + o_proj(attention(q/k/v_proj(cat)))  one Llama layer reading 2D; the
+                                                           residual is the pre-norm g
+           g_next = x1 + MLP(RMSNorm_post(x1))             SwiGLU
+           logits = lm_head(RMSNorm(g_next))               over the draft vocabulary
+           token  = draft_id + d2t[draft_id]               back to the target's vocabulary
+    recurrence: the next draft step's g is g_next.
+
+Which target layers feed `aux` (the convention, pinned from the sources): vLLM and the EAGLE
+repo capture the residual stream *entering* layers (2, L // 2, L - 3), and a checkpoint's
+`eagle_config.eagle_aux_hidden_state_layer_ids` is read in that same input-of-layer spelling.
+The CUDA seed's (1, 15, 28) for L = 32 names the same tensors as outputs of layers 1, 15, 28.
+jaxspec stores ids in the input-of-layer spelling (`aux_layer_ids`) and asks the trunk for the
+outputs of layers `id - 1` (-1 being the embedding output), see `target_hidden_layers`.
+
+Alignment: the head pairs the target feature at position p with the embedding of the token at
+p + 1 and runs at RoPE position p, so its KV slot p holds (feature p, token p + 1).
+
+Params pytree (float32; weights [out, in]):
+    fc [D, 3D]; input_layernorm [D]; hidden_norm [D]; q_proj [N*H, 2D]; k_proj, v_proj [K*H, 2D];
+    o_proj [D, N*H]; post_attention_layernorm [D]; gate_proj, up_proj [F, D]; down_proj [D, F];
+    norm [D]; lm_head [Vd, D]; d2t int32[Vd]
+The token embedding is the target's, passed in beside these params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig, _rope_settings, resolve_rotary_dim
+from jaxspec.errors import UnsupportedModelError
+from jaxspec.models import llama
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eagle3Config:
+    dim: int  # D, equal to the target's
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    draft_vocab_size: int  # Vd
+    vocab_size: int  # the target's V, which d2t maps into
+    rope_theta: float
+    rotary_dim: int
+    norm_eps: float
+    max_position_embeddings: int
+    aux_layer_ids: tuple[int, ...] | None = None  # input-of-layer ids; None = the default for the target
+
+    @property
+    def attention_config(self) -> ModelConfig:
+        """The head's single decoder layer seen as a one-layer trunk (for attention and its cache)."""
+        return ModelConfig(
+            vocab_size=self.draft_vocab_size, dim=self.dim, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, ffn_dim=self.ffn_dim,
+            rope_theta=self.rope_theta, rotary_dim=self.rotary_dim, norm_eps=self.norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+    def resolved_aux_layers(self, target_layers: int) -> tuple[int, ...]:
+        """Declared ids win; else (2, L // 2, L - 3), the EAGLE repo's and vLLM's default."""
+        if self.aux_layer_ids is not None:
+            return self.aux_layer_ids
+        return (2, target_layers // 2, target_layers - 3)
+
+
+def default_aux_layers(target_layers: int) -> tuple[int, ...]:
+    return (2, target_layers // 2, target_layers - 3)
+
+
+def target_hidden_layers(aux_layer_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The trunk's `hidden_layers` (outputs of layers) that are the streams entering `aux_layer_ids`."""
+    return tuple(i - 1 for i in aux_layer_ids)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> Eagle3Config:
+    """Parse an EAGLE-3 head's config.json (LlamaForCausalLMEagle3 style)."""
+    try:
+        dim = int(hf["hidden_size"])
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or dim // num_heads)
+        theta, scaling = _rope_settings(hf)
+        if scaling is not None:
+            raise UnsupportedModelError("rope scaling in an EAGLE-3 head is not supported")
+        eagle = hf.get("eagle_config") or {}
+        aux = eagle.get("eagle_aux_hidden_state_layer_ids")
+        vocab = int(hf["vocab_size"])
+        return Eagle3Config(
+            dim=dim, num_heads=num_heads, num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim, ffn_dim=int(hf["intermediate_size"]),
+            draft_vocab_size=int(hf.get("draft_vocab_size") or vocab), vocab_size=vocab,
+            rope_theta=theta, rotary_dim=resolve_rotary_dim(hf, head_dim),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            aux_layer_ids=None if aux is None else tuple(int(i) for i in aux),
+        )
+    except KeyError as missing:
+        raise UnsupportedModelError(f"EAGLE-3 config.json lacks required field {missing}") from None
+
+
+def is_eagle3_config(hf: Mapping[str, Any]) -> bool:
+    architectures = hf.get("architectures") or []
+    return any("eagle3" in a.lower() for a in architectures) or "eagle_config" in hf or "draft_vocab_size" in hf
+
+
+def init_params(cfg: Eagle3Config, key: jax.Array, scale: float = 0.05) -> Params:
+    """Random head params (tests); d2t maps draft ids onto the first Vd target ids, shuffled."""
+    D, N, K, H, F, Vd = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.draft_vocab_size
+    keys = iter(jax.random.split(key, 16))
+
+    def normal(*shape):
+        return scale * jax.random.normal(next(keys), shape, jnp.float32)
+
+    target_ids = jax.random.permutation(next(keys), cfg.vocab_size)[:Vd]
+    return {
+        "fc": normal(D, 3 * D), "input_layernorm": 1.0 + normal(D), "hidden_norm": 1.0 + normal(D),
+        "q_proj": normal(N * H, 2 * D), "k_proj": normal(K * H, 2 * D), "v_proj": normal(K * H, 2 * D),
+        "o_proj": normal(D, N * H), "post_attention_layernorm": 1.0 + normal(D),
+        "gate_proj": normal(F, D), "up_proj": normal(F, D), "down_proj": normal(D, F),
+        "norm": 1.0 + normal(D), "lm_head": normal(Vd, D),
+        "d2t": (target_ids - jnp.arange(Vd)).astype(jnp.int32),
+    }
+
+
+def encode(params: Params, aux: tuple[jax.Array, ...]) -> jax.Array:
+    """g = fc(concat(aux)): the target features [B, T, D] each -> [B, T, D]."""
+    return jnp.einsum("ED,BTD->BTE", params["fc"], jnp.concatenate(aux, axis=-1))
+
+
+def create_cache(cfg: Eagle3Config, batch: int, capacity: int) -> KVCache:
+    return KVCache.create(cfg.attention_config, batch, capacity)
+
+
+def forward(
+    params: Params,
+    cfg: Eagle3Config,
+    embed: jax.Array,
+    tokens: jax.Array,
+    g: jax.Array,
+    cache: KVCache,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One head step over T positions per row, written at the cache's per-row offsets.
+
+    embed: the target's [V, D]; tokens int32[B, T] (the token after each feature's position);
+    g: [B, T, D] (encoded target features, or the head's own previous g_next).
+    Returns draft-vocabulary logits [B, T, Vd], g_next [B, T, D], the cache (length unchanged).
+    """
+    batch, steps = tokens.shape
+    attention_cfg = cfg.attention_config
+    positions = cache.length[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    angles = llama.rope_inv_freq(attention_cfg)[:, None, None] * positions[None].astype(jnp.float32)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+    e = jnp.take(embed, tokens.reshape(-1), axis=0).T  # [D, B*T]
+    g = g.reshape(batch * steps, cfg.dim).T  # [D, B*T]
+    cat = jnp.concatenate([llama.rms_norm(e, params["input_layernorm"], cfg.norm_eps),
+                           llama.rms_norm(g, params["hidden_norm"], cfg.norm_eps)], axis=0)  # [2D, B*T]
+    attn_out, keys, values = llama._attention(params, attention_cfg, cat, cos, sin, cache.keys[0],
+                                              cache.values[0], cache.length, batch, steps)
+    x1 = g + attn_out  # the residual is the pre-norm g
+    z = llama.rms_norm(x1, params["post_attention_layernorm"], cfg.norm_eps)
+    g_next = x1 + params["down_proj"] @ (jax.nn.silu(params["gate_proj"] @ z) * (params["up_proj"] @ z))
+    logits = params["lm_head"] @ llama.rms_norm(g_next, params["norm"], cfg.norm_eps)  # [Vd, B*T]
+    logits = logits.reshape(-1, batch, steps).transpose(1, 2, 0)
+    g_next = g_next.reshape(cfg.dim, batch, steps).transpose(1, 2, 0)
+    return logits, g_next, cache.replace(keys=(keys,), values=(values,))
+
+
+def to_target_ids(params: Params, draft_ids: jax.Array) -> jax.Array:
+    return draft_ids + jnp.take(params["d2t"], draft_ids)

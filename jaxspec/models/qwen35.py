@@ -1,0 +1,892 @@
+"""The Qwen3.5 hybrid trunk: Gated DeltaNet linear attention + gated full attention.
+
+The text model of transformers' `models/qwen3_5` (the reference, tests-only). Most layers are
+Gated DeltaNet: a short causal conv1d over the q/k/v projections, then the gated delta rule on a
+recurrent state [B, E, X, Y] per layer, then an RMSNorm gated by silu(z). Every few layers
+(`layer_types`) is a full-attention layer with QK-norm, partial RoPE and a sigmoid output gate.
+
+    forward(params, cfg, tokens [B, T], cache) -> (logits [B, P, V], hiddens, cache)
+
+honours the trunk contract of `jaxspec.models`: the T tokens are run at each row's
+`cache.length` without advancing it, and the caller commits with `advance` / `set_length`.
+
+Rollback of recurrent state (DESIGN.md contract 2). Attention layers roll back by length as
+everywhere. A DeltaNet layer's state cannot be "un-written", so:
+  * a forward leaves the per-position states in the cache as `pending`: with T <=
+    MAX_RECORDED_STEPS (decode, verify) the recurrent form records the state after every
+    position, [B, T, E, X, Y]; a longer forward (prefill) uses the chunked parallel form and
+    records the state at each chunk start plus the per-position k, v, decay and beta;
+  * `advance(n)` / `set_length(L)` then select, per row, the state after L tokens: an index into
+    the recorded states (no replay forward), or for a chunked forward the one partial chunk
+    up to L recomputed from its start state with positions past L made identity updates
+    (decay 0, beta 0), which is how right-padded prompts end up with their own last state;
+  * committed states live in a small ring, `Qwen35Config.rollback_states` (R) per layer and row,
+    slot = length % R, so `set_length` may also go back up to R - 1 positions behind the
+    furthest committed length with no forward in between (the draft-model and layer-skip
+    proposers roll their draft back each round by up to k positions: R >= k + 1). A rollback
+    past what the ring holds cannot be served by an index and raises `StateRollbackError`
+    (eagerly, or from inside a jitted program through a callback that only runs when it fails).
+    After a chunked forward only the selected state is committed: the ring then starts there.
+
+Layout follows `llama.py`: weights `[out, in]` as HF stores them, activations feature-major
+`[D, B*T]` through the projections; the recurrence runs on `[B, T, heads, dim]`.
+DeltaNet letters (beside STYLE.md's): E value heads (the state's heads), J key heads, X key head
+dim, Y value head dim, C conv channels (2*J*X + E*Y), W conv kernel, R rollback states.
+
+Params pytree (float32):
+    embed [V, D]; final_norm [D]; lm_head [V, D] (absent when cfg.tie_embeddings)
+    layers: list of L dicts, by cfg.layer_types[i]
+        every layer: attn_norm [D]; mlp_norm [D]; gate_proj [F, D]; up_proj [F, D]; down_proj [D, F]
+        FULL_ATTENTION: q_proj [N*2H, D] (per head H query rows, then H gate rows, as HF fuses them);
+            k_proj [K*H, D]; v_proj [K*H, D]; o_proj [D, N*H]; q_norm [H]; k_norm [H]
+        LINEAR_ATTENTION: qkv_proj [C, D]; z_proj [E*Y, D]; b_proj [E, D]; a_proj [E, D];
+            conv_weight [C, W]; A_log [E]; dt_bias [E]; out_norm [Y]; out_proj [D, E*Y]
+RMSNorm weights are stored as the multiplier: HF's Qwen3.5 norms are zero-centred (x * (1 + w)),
+and the loader adds the 1 once, so the forward shares `llama.rms_norm`. The gated output norm
+(`out_norm`) is not zero-centred in HF and is stored as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+import pathlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxspec.cache import write_rows
+from jaxspec.config import resolve_rotary_dim
+from jaxspec.errors import CheckpointError, JaxspecError, UnsupportedModelError
+from jaxspec.models.llama import apply_rope, rms_norm
+
+Params = dict[str, Any]
+
+# A forward over at most this many tokens runs the recurrent form and records every state.
+MAX_RECORDED_STEPS = 16
+CHUNK_SIZE = 64  # the chunked form's chunk (HF's and FLA's default)
+L2NORM_EPS = 1e-6  # q/k L2 normalisation inside the delta rule (FLA's constant, not rms_norm_eps)
+
+
+class LayerType(enum.Enum):
+    LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet
+    FULL_ATTENTION = "full_attention"  # gated softmax attention over the KV cache
+
+
+class DeltaRule(enum.Enum):
+    """Which form of the delta rule a forward runs; None in `forward` picks by T."""
+
+    RECURRENT = "recurrent"  # step by step; records the state after every position
+    CHUNKED = "chunked"  # chunked parallel (WY/UT transform); records chunk-start states
+
+
+class StateRollbackError(JaxspecError):
+    """A hybrid cache was asked for a length whose recurrent state it no longer holds."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen35Config:
+    """Shape and numerics of a Qwen3.5 hybrid trunk. Letters: STYLE.md plus the module docstring."""
+
+    vocab_size: int  # V
+    dim: int  # D
+    num_layers: int  # L
+    # The kind of each layer. A longer tuple is cut to num_layers (a layer-skip draft is the
+    # target's config with a smaller num_layers); a shorter one is an error.
+    layer_types: tuple[LayerType, ...]
+    ffn_dim: int  # F
+    # gated full attention
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    rotary_dim: int  # leading dims of each head RoPE rotates (Qwen3.5: H / 4)
+    rope_theta: float = 10_000_000.0
+    # Gated DeltaNet
+    linear_num_key_heads: int  # J
+    linear_num_value_heads: int  # E
+    linear_key_head_dim: int  # X
+    linear_value_head_dim: int  # Y
+    linear_conv_kernel: int = 4  # W
+    norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Committed DeltaNet states kept per layer and row: how far back `set_length` can roll a
+    # cache with no forward in between (R - 1 positions). 1 keeps only the current state (a
+    # target never rolls back); a draft model or layer-skip draft drafting k tokens needs k + 1.
+    rollback_states: int = 8
+
+    def __post_init__(self):
+        layer_types = tuple(LayerType(t) for t in self.layer_types)
+        if len(layer_types) < self.num_layers:
+            raise UnsupportedModelError(
+                f"layer_types has {len(layer_types)} entries but num_layers is {self.num_layers}; "
+                "the layer pattern must name every layer")
+        object.__setattr__(self, "layer_types", layer_types[: self.num_layers])
+        checks = [
+            (self.num_layers >= 1, f"num_layers={self.num_layers} must be >= 1"),
+            (self.num_heads % self.num_kv_heads == 0,
+             f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"),
+            (self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
+             f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]"),
+            (self.linear_num_value_heads % self.linear_num_key_heads == 0,
+             f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+             f"linear_num_key_heads={self.linear_num_key_heads}"),
+            (self.linear_conv_kernel >= 1, f"linear_conv_kernel={self.linear_conv_kernel} must be >= 1"),
+            (self.rollback_states >= 1, f"rollback_states={self.rollback_states} must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UnsupportedModelError(message)
+
+    @property
+    def group_size(self) -> int:  # G: query heads per kv head
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerType.FULL_ATTENTION)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerType.LINEAR_ATTENTION)
+
+    @property
+    def key_dim(self) -> int:  # J*X
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:  # E*Y
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # C: channels through the conv (q, k and v)
+        return 2 * self.key_dim + self.value_dim
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache
+# ----------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class RecordedSteps:
+    """What a recurrent-form forward (T <= MAX_RECORDED_STEPS) leaves for the commit."""
+
+    conv_inputs: tuple[jax.Array, ...]  # per DeltaNet layer [B, T, C]: the conv's new inputs
+    states: tuple[jax.Array, ...]  # per DeltaNet layer [B, T, E, X, Y]: the state after each position
+
+    @property
+    def steps(self) -> int:
+        return self.conv_inputs[0].shape[1]
+
+
+@struct.dataclass
+class ChunkedSteps:
+    """What a chunked-form forward leaves: chunk-start states and the per-position inputs."""
+
+    conv_inputs: tuple[jax.Array, ...]  # per DeltaNet layer [B, T, C]
+    chunk_states: tuple[jax.Array, ...]  # per DeltaNet layer [B, T'/c, E, X, Y]: state at each chunk start
+    keys: tuple[jax.Array, ...]  # [B, T', E, X]: normalised keys, T' = T padded to whole chunks
+    values: tuple[jax.Array, ...]  # [B, T', E, Y]
+    decay: tuple[jax.Array, ...]  # [B, T', E]: log decay g (0 on padding)
+    beta: tuple[jax.Array, ...]  # [B, T', E]: write strength (0 on padding)
+
+    @property
+    def steps(self) -> int:
+        return self.conv_inputs[0].shape[1]
+
+    @property
+    def chunk_size(self) -> int:
+        return self.keys[0].shape[1] // self.chunk_states[0].shape[1]
+
+
+@struct.dataclass
+class Qwen35Cache:
+    """KV buffers for the attention layers, a ring of committed states for the DeltaNet layers.
+
+    The state after `l` committed tokens lives in ring slot l % R; the ring holds every length
+    in [oldest, length]. `pending` is what the last forward recorded, consumed by the next
+    `set_length` / `advance` (it is None between a commit and the next forward, so the cache
+    keeps one shape across the loop's rounds).
+    """
+
+    keys: tuple[jax.Array, ...]  # per attention layer [B, K, S, H]
+    values: tuple[jax.Array, ...]  # per attention layer [B, K, S, H]
+    conv: tuple[jax.Array, ...]  # per DeltaNet layer [B, R, W-1, C]: the conv's last W-1 inputs
+    ssm: tuple[jax.Array, ...]  # per DeltaNet layer [B, R, E, X, Y]: the recurrent state
+    length: jax.Array  # int32[B]: tokens committed per row
+    oldest: jax.Array  # int32[B]: the shortest length whose DeltaNet state the ring still holds
+    pending: RecordedSteps | ChunkedSteps | None = None
+    max_length: int = struct.field(pytree_node=False, default=0)  # S
+
+    @classmethod
+    def create(cls, cfg: Qwen35Config, batch: int, capacity: int, dtype=jnp.float32) -> "Qwen35Cache":
+        kv_shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        R = cfg.rollback_states
+        conv_shape = (batch, R, max(cfg.linear_conv_kernel - 1, 0), cfg.conv_dim)
+        ssm_shape = (batch, R, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        attention, linear = cfg.attention_layers, cfg.linear_layers
+        return cls(
+            keys=tuple(jnp.zeros(kv_shape, dtype) for _ in attention),
+            values=tuple(jnp.zeros(kv_shape, dtype) for _ in attention),
+            conv=tuple(jnp.zeros(conv_shape, jnp.float32) for _ in linear),
+            ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in linear),
+            length=jnp.zeros((batch,), jnp.int32),
+            oldest=jnp.zeros((batch,), jnp.int32),
+            max_length=capacity,
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.length.shape[0]
+
+    @property
+    def capacity(self) -> int:  # S
+        return self.max_length
+
+    @property
+    def rollback_states(self) -> int:  # R
+        return self.ssm[0].shape[1] if self.ssm else 1
+
+    def current_state(self, index: int) -> tuple[jax.Array, jax.Array]:
+        """DeltaNet layer `index`'s (conv window [B, W-1, C], state [B, E, X, Y]) at `length`."""
+        return _ring_read(self.conv[index], self.length), _ring_read(self.ssm[index], self.length)
+
+    def advance(self, accepted: jax.Array) -> "Qwen35Cache":
+        """Commit `accepted[b]` more of the positions the last forward wrote at each row's offset."""
+        return self.set_length(self.length + accepted)
+
+    def set_length(self, length: jax.Array) -> "Qwen35Cache":
+        """Commit or roll back to `length[b]` tokens per row.
+
+        From the last forward's pending positions (length .. length + T), or back to any length
+        the ring holds ([oldest, length]); anything else raises StateRollbackError.
+        """
+        target = jnp.broadcast_to(jnp.asarray(length, jnp.int32), self.length.shape)
+        base, R = self.length, self.rollback_states
+        steps = 0 if self.pending is None else self.pending.steps
+        from_pending = (target > base) & (target <= base + steps)
+        restorable = (target >= self.oldest) & (target <= base)
+        _check_restorable(from_pending | restorable, target, base, self.oldest, steps, R)
+        if self.pending is None or not self.ssm:
+            oldest = jnp.where(from_pending, jnp.maximum(self.oldest, target - R + 1), self.oldest)
+            return self.replace(length=target, oldest=jnp.minimum(oldest, target), pending=None)
+        if isinstance(self.pending, RecordedSteps):
+            conv, ssm = _commit_recorded(self, self.pending, target, from_pending)
+            oldest = jnp.where(from_pending, jnp.maximum(self.oldest, target - R + 1), self.oldest)
+        else:
+            conv, ssm = _commit_chunked(self, self.pending, target, from_pending)
+            oldest = jnp.where(from_pending, target, self.oldest)
+        return self.replace(conv=conv, ssm=ssm, length=target, oldest=jnp.minimum(oldest, target), pending=None)
+
+
+def _ring_read(ring: jax.Array, length: jax.Array) -> jax.Array:
+    """ring [B, R, ...] -> the entry for `length` int32[B]: [B, ...]."""
+    return ring[jnp.arange(ring.shape[0]), length % ring.shape[1]]
+
+
+def _conv_windows(window: jax.Array, inputs: jax.Array, counts: jax.Array) -> jax.Array:
+    """The conv window after `counts` [B, M] of the new inputs: [B, M, W-1, C].
+
+    window [B, W-1, C] is the window before them, inputs [B, T, C] the new conv inputs.
+    """
+    span = window.shape[1]
+    sequence = jnp.concatenate([window, inputs], axis=1)  # [B, W-1+T, C]
+    at = counts[:, :, None] + jnp.arange(span)[None, None, :]  # [B, M, W-1]
+    return jnp.take_along_axis(sequence[:, None], at[..., None], axis=2)
+
+
+def _commit_recorded(cache: Qwen35Cache, pending: RecordedSteps, target, from_pending):
+    """Write the states for lengths base+1 .. target (the last R of them) into the ring."""
+    base, R = cache.length, cache.rollback_states
+    steps = pending.steps
+    offsets = jnp.arange(steps)[None, :]  # [1, T]: the state after base + t + 1 tokens
+    count = (target - base)[:, None]
+    keep = from_pending[:, None] & (offsets < count) & (offsets >= count - R)
+    slots = jnp.where(keep, (base[:, None] + offsets + 1) % R, R)  # R: out of range, dropped
+    rows = jnp.arange(cache.batch)[:, None]
+    conv, ssm = [], []
+    for index, (conv_ring, ssm_ring) in enumerate(zip(cache.conv, cache.ssm)):
+        windows = _conv_windows(_ring_read(conv_ring, base), pending.conv_inputs[index],
+                                jnp.broadcast_to(offsets + 1, keep.shape))
+        conv.append(conv_ring.at[rows, slots].set(windows, mode="drop"))
+        ssm.append(ssm_ring.at[rows, slots].set(pending.states[index], mode="drop"))
+    return tuple(conv), tuple(ssm)
+
+
+def _commit_chunked(cache: Qwen35Cache, pending: ChunkedSteps, target, from_pending):
+    """Recompute each row's state after `target` tokens from its chunk's start; write that one."""
+    base, R = cache.length, cache.rollback_states
+    batch, size = cache.batch, pending.chunk_size
+    last = jnp.maximum(target - base - 1, 0)  # [B]: the last position taken, within the forward
+    chunk = last // size  # [B]
+    within = jnp.arange(size)[None, :] <= (last - chunk * size)[:, None]  # [B, c]: positions kept
+    at = (chunk * size)[:, None] + jnp.arange(size)[None, :]  # [B, c]
+    slots = jnp.where(from_pending, target % R, R)
+    rows = jnp.arange(batch)
+    conv, ssm = [], []
+    for index, (conv_ring, ssm_ring) in enumerate(zip(cache.conv, cache.ssm)):
+        def gather(x):
+            return jnp.take_along_axis(x, at.reshape(batch, size, *([1] * (x.ndim - 2))), axis=1)
+        start = pending.chunk_states[index][rows, chunk]  # [B, E, X, Y]
+        decay = jnp.where(within[..., None], gather(pending.decay[index]), 0.0)
+        beta = jnp.where(within[..., None], gather(pending.beta[index]), 0.0)
+        state = _chunk_end_state(start, _heads_first(gather(pending.keys[index])),
+                                 _heads_first(gather(pending.values[index])),
+                                 decay.transpose(0, 2, 1), beta.transpose(0, 2, 1))
+        window = _conv_windows(_ring_read(conv_ring, base), pending.conv_inputs[index],
+                               (target - base)[:, None])[:, 0]
+        conv.append(conv_ring.at[rows, slots].set(window, mode="drop"))
+        ssm.append(ssm_ring.at[rows, slots].set(state, mode="drop"))
+    return tuple(conv), tuple(ssm)
+
+
+def _raise_rollback(ok, target, length, oldest, steps, history):
+    ok = np.asarray(ok)
+    if ok.all():
+        return
+    row = int(np.flatnonzero(~ok)[0])
+    target, length, oldest = int(np.asarray(target)[row]), int(np.asarray(length)[row]), int(np.asarray(oldest)[row])
+    reachable = f"[{oldest}, {length}]" + (f" or ({length}, {length + int(steps)}] from the last forward"
+                                            if int(steps) else "")
+    raise StateRollbackError(
+        f"row {row}: cannot set a hybrid cache to length {target}; its DeltaNet state is kept for "
+        f"lengths {reachable} only. Qwen35Config.rollback_states={int(history)} bounds a rollback to "
+        f"{int(history) - 1} positions behind the furthest commit (a draft drafting k tokens per "
+        "round needs rollback_states >= k + 1), and a chunked (prefill) forward commits one state")
+
+
+def _check_restorable(ok, target, length, oldest, steps: int, history: int) -> None:
+    """Raise StateRollbackError where `ok` is False: now if concrete, else from the program."""
+    if not any(isinstance(x, jax.core.Tracer) for x in (ok, target, length, oldest)):
+        _raise_rollback(ok, target, length, oldest, steps, history)
+        return
+    # Under jit: a host callback in the failing branch only, so a healthy program never syncs.
+    jax.lax.cond(
+        jnp.all(ok),
+        lambda *args: None,
+        lambda *args: jax.debug.callback(functools.partial(_raise_rollback, steps=steps, history=history), *args),
+        ok, target, length, oldest,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The delta rule: recurrent and chunked forms
+# ----------------------------------------------------------------------------------------------
+
+
+def _heads_first(x: jax.Array) -> jax.Array:  # [B, T, E, ...] -> [B, E, T, ...]
+    return jnp.swapaxes(x, 1, 2)
+
+
+def recurrent_delta_rule(query, key, value, decay, beta, state):
+    """The gated delta rule step by step, recording the state after every position.
+
+    query, key [B, T, E, X] (normalised, query scaled); value [B, T, E, Y]; decay, beta [B, T, E];
+    state [B, E, X, Y]. Per position: S <- S * exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q.
+    Returns outputs [B, T, E, Y] and the states [B, T, E, X, Y].
+    """
+    def step(state, inputs):
+        q, k, v, g, b = inputs
+        state = state * jnp.exp(g)[..., None, None]
+        memory = jnp.einsum("BEXY,BEX->BEY", state, k)  # what the state already predicts for k
+        delta = (v - memory) * b[..., None]
+        state = state + k[..., :, None] * delta[..., None, :]
+        return state, (jnp.einsum("BEXY,BEX->BEY", state, q), state)
+
+    steps = key.shape[1]
+    if steps <= MAX_RECORDED_STEPS:  # unrolled: XLA writes each state straight into the stack
+        outs, states = [], []
+        for t in range(steps):
+            state, (out, _) = step(state, (query[:, t], key[:, t], value[:, t], decay[:, t], beta[:, t]))
+            outs.append(out)
+            states.append(state)
+        return jnp.stack(outs, axis=1), jnp.stack(states, axis=1)
+    time_major = [jnp.swapaxes(x, 0, 1) for x in (query, key, value, decay, beta)]
+    _, (outs, states) = jax.lax.scan(step, state, time_major)
+    return jnp.swapaxes(outs, 0, 1), jnp.swapaxes(states, 0, 1)
+
+
+def _chunk_terms(key, decay, beta):
+    """Within-chunk quantities. key [B, E, c, X]; decay, beta [B, E, c].
+
+    Returns the cumulative log decay [B, E, c], the pairwise decays exp(G_i - G_j) for j <= i
+    (0 above the diagonal) [B, E, c, c], and the UT system I + strictly_lower(beta k k^T decay).
+    """
+    size = key.shape[2]
+    cumulative = jnp.cumsum(decay, axis=-1)
+    causal = jnp.tril(jnp.ones((size, size), bool))
+    difference = cumulative[..., :, None] - cumulative[..., None, :]
+    pairwise = jnp.where(causal, jnp.exp(jnp.where(causal, difference, 0.0)), 0.0)
+    k_beta = key * beta[..., None]
+    system = jnp.einsum("BEiX,BEjX->BEij", k_beta, key) * pairwise
+    system = jnp.where(jnp.tril(jnp.ones((size, size), bool), -1), system, 0.0) + jnp.eye(size)
+    return cumulative, pairwise, system
+
+
+def _chunk_step(state, query, key, value, decay, beta):
+    """One chunk of the chunked form: (outputs [B, E, c, Y] or None, state after the chunk).
+
+    The UT transform turns the chunk's c sequential rank-one updates into two triangular solves:
+    u = T^-1 (beta v) and w = T^-1 (beta k e^G); the new values the state has not yet predicted
+    are u - w S, and S' = S e^{G_c} + (k e^{G_c - G})^T (u - w S).
+    """
+    cumulative, pairwise, system = _chunk_terms(key, decay, beta)
+    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    new_values = solve(value * beta[..., None])
+    key_cumdecay = solve(key * (beta * jnp.exp(cumulative))[..., None])
+    corrected = new_values - jnp.einsum("BEcX,BEXY->BEcY", key_cumdecay, state)
+    total = cumulative[..., -1:]  # [B, E, 1]
+    out = None
+    if query is not None:
+        attention = jnp.einsum("BEiX,BEjX->BEij", query, key) * pairwise
+        out = (jnp.einsum("BEcX,BEXY->BEcY", query * jnp.exp(cumulative)[..., None], state)
+               + jnp.einsum("BEij,BEjY->BEiY", attention, corrected))
+    state = (state * jnp.exp(total)[..., None]
+             + jnp.einsum("BEcX,BEcY->BEXY", key * jnp.exp(total - cumulative)[..., None], corrected))
+    return out, state
+
+
+def _chunk_end_state(state, key, value, decay, beta):
+    """The state after one chunk (heads-first inputs, as `_chunk_step`)."""
+    return _chunk_step(state, None, key, value, decay, beta)[1]
+
+
+def chunked_delta_rule(query, key, value, decay, beta, state, chunk_size: int = CHUNK_SIZE):
+    """The gated delta rule in chunks of `chunk_size` (same inputs as `recurrent_delta_rule`).
+
+    T is padded to whole chunks with identity updates (decay 0, beta 0). Returns outputs
+    [B, T, E, Y], the state at each chunk start [B, T'/c, E, X, Y] and the final state.
+    """
+    batch, steps, heads = key.shape[:3]
+    size = min(chunk_size, steps)
+    pad = -steps % size
+    padded = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (query, key, value, decay, beta)]
+    chunks = (steps + pad) // size
+
+    def by_chunk(x):  # [B, T', E, ...] -> [n, B, E, c, ...]
+        x = x.reshape(batch, chunks, size, *x.shape[2:])
+        return jnp.moveaxis(jnp.swapaxes(x, 2, 3), 1, 0)
+
+    def scan_chunk(state, inputs):
+        out, next_state = _chunk_step(state, *inputs)
+        return next_state, (out, state)
+
+    final, (outs, starts) = jax.lax.scan(scan_chunk, state, [by_chunk(x) for x in padded])
+    outs = jnp.moveaxis(outs, 0, 1).swapaxes(2, 3).reshape(batch, chunks * size, heads, -1)[:, :steps]
+    return outs, jnp.moveaxis(starts, 0, 1), final
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------------------
+
+
+def _l2_normalise(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def _delta_net(layer: Params, cfg: Qwen35Config, h: jax.Array, conv_window: jax.Array, state: jax.Array,
+               batch: int, steps: int, rule: DeltaRule):
+    """A Gated DeltaNet layer over T new tokens per row. h: [D, B*T] (normed).
+
+    conv_window [B, W-1, C] and state [B, E, X, Y] are the committed ones at each row's length.
+    Returns the output [D, B*T] and what the commit needs (conv inputs, recorded states).
+    """
+    J, E, X, Y = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mixed = (layer["qkv_proj"] @ h).reshape(cfg.conv_dim, batch, steps).transpose(1, 2, 0)  # [B, T, C]
+
+    # Depthwise causal conv over [window, new inputs]: out[t] = sum_w weight[:, w] * seq[t + w].
+    kernel = cfg.linear_conv_kernel
+    sequence = jnp.concatenate([conv_window, mixed], axis=1)  # [B, W-1+T, C]
+    conv = sum(layer["conv_weight"][:, w] * sequence[:, w: w + steps] for w in range(kernel))
+    conv = jax.nn.silu(conv)
+    query = conv[..., : cfg.key_dim].reshape(batch, steps, J, X)
+    key = conv[..., cfg.key_dim: 2 * cfg.key_dim].reshape(batch, steps, J, X)
+    value = conv[..., 2 * cfg.key_dim:].reshape(batch, steps, E, Y)
+    # Each key head serves E / J consecutive value heads.
+    query = jnp.repeat(_l2_normalise(query) * (X ** -0.5), E // J, axis=2)
+    key = jnp.repeat(_l2_normalise(key), E // J, axis=2)
+
+    def per_head(projection):  # [E, B*T] -> [B, T, E]
+        return projection.reshape(E, batch, steps).transpose(1, 2, 0)
+
+    beta = jax.nn.sigmoid(per_head(layer["b_proj"] @ h))
+    decay = -jnp.exp(layer["A_log"]) * jax.nn.softplus(per_head(layer["a_proj"] @ h) + layer["dt_bias"])
+
+    if rule is DeltaRule.RECURRENT:
+        out, states = recurrent_delta_rule(query, key, value, decay, beta, state)
+        pending = dict(conv_inputs=mixed, states=states)
+    else:
+        out, chunk_states, _ = chunked_delta_rule(query, key, value, decay, beta, state)
+        size = min(CHUNK_SIZE, steps)
+        pad = [(0, 0), (0, -steps % size)]
+        pending = dict(conv_inputs=mixed, chunk_states=chunk_states,
+                       keys=jnp.pad(key, pad + [(0, 0)] * 2), values=jnp.pad(value, pad + [(0, 0)] * 2),
+                       decay=jnp.pad(decay, pad + [(0, 0)]), beta=jnp.pad(beta, pad + [(0, 0)]))
+
+    # Gated RMSNorm per value head: norm(out) * weight * silu(z).
+    z = (layer["z_proj"] @ h).reshape(E, Y, batch, steps).transpose(2, 3, 0, 1)  # [B, T, E, Y]
+    out = rms_norm(out, layer["out_norm"], cfg.norm_eps, axis=-1) * jax.nn.silu(z)
+    out = out.reshape(batch * steps, E * Y).T  # [E*Y, B*T]
+    return layer["out_proj"] @ out, pending
+
+
+def _gated_attention(layer: Params, cfg: Qwen35Config, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                     keys: jax.Array, values: jax.Array, offsets: jax.Array, batch: int, steps: int):
+    """Gated self-attention of T new tokens per row over that row's cache. h: [D, B*T] (normed)."""
+    N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+    query_gate = (layer["q_proj"] @ h).reshape(N, 2, H, batch, steps)
+    q, gate = query_gate[:, 0], query_gate[:, 1]  # [N, H, B, T] each
+    k = (layer["k_proj"] @ h).reshape(K, H, batch, steps)
+    v = (layer["v_proj"] @ h).reshape(K, H, batch, steps)
+    q = apply_rope(rms_norm(q, layer["q_norm"], cfg.norm_eps, axis=1), cos, sin, cfg.rotary_dim)
+    k = apply_rope(rms_norm(k, layer["k_norm"], cfg.norm_eps, axis=1), cos, sin, cfg.rotary_dim)
+
+    keys = write_rows(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets)  # [B, K, S, H]
+    values = write_rows(values, jnp.transpose(v, (2, 3, 0, 1)), offsets)
+
+    q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 0, 1, 4, 2)).reshape(batch, K, G * steps, H)
+    scores = jnp.einsum("BKQH,BKSH->BKQS", q * (1.0 / math.sqrt(H)), keys)
+    slot = offsets[:, None] + jnp.arange(steps)[None, :]  # [B, T]
+    visible = jnp.arange(keys.shape[2])[None, None, :] <= jnp.tile(slot, (1, G))[:, :, None]  # [B, G*T, S]
+    scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values).reshape(batch, K, G, steps, H)
+    out = jnp.transpose(out, (1, 2, 4, 0, 3)).reshape(N * H, batch * steps)  # [N*H, B*T]
+    out = out * jax.nn.sigmoid(gate.reshape(N * H, batch * steps))
+    return layer["o_proj"] @ out, keys, values
+
+
+def rope_inv_freq(cfg: Qwen35Config) -> np.ndarray:
+    """Inverse frequencies [R/2] for the rotated width R = cfg.rotary_dim."""
+    exponents = np.arange(0, cfg.rotary_dim, 2, dtype=np.float64) / cfg.rotary_dim
+    return (1.0 / (cfg.rope_theta ** exponents)).astype(np.float32)
+
+
+def _check_params(params: Params, cfg: Qwen35Config) -> None:
+    """At trace time: the params must have one layer per config layer, of the config's kind."""
+    layers = params["layers"]
+    if len(layers) != cfg.num_layers:
+        raise UnsupportedModelError(f"params have {len(layers)} layers but num_layers is {cfg.num_layers}")
+    for index, (layer, kind) in enumerate(zip(layers, cfg.layer_types)):
+        missing = sorted(set(layer_shapes(cfg, kind)) - set(layer))
+        if missing:
+            raise UnsupportedModelError(
+                f"params layer {index} lacks {missing} for layer_types[{index}]={kind.value!r}")
+
+
+def forward(
+    params: Params,
+    cfg: Qwen35Config,
+    tokens: jax.Array,
+    cache: Qwen35Cache,
+    *,
+    positions: jax.Array | None = None,
+    logit_indices: jax.Array | None = None,
+    hidden_layers: tuple[int, ...] = (),
+    delta_rule: DeltaRule | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, ...], Qwen35Cache]:
+    """Run T new tokens per row through the hybrid trunk (the `jaxspec.models` contract).
+
+    tokens int32[B, T] at slots `cache.length[b] + t`; positions (RoPE) default the slots;
+    logit_indices int32[B, P] picks which positions get logits (default all T); hidden_layers
+    returns the residual stream after those layers (-1: the embeddings), each [B, T, D].
+    delta_rule: the form of the delta rule; default recurrent for T <= MAX_RECORDED_STEPS (every
+    state recorded), chunked above. The cache comes back with K/V written and the DeltaNet
+    states pending, `length` unchanged: commit with `advance` / `set_length`.
+    """
+    _check_params(params, cfg)
+    batch, steps = tokens.shape
+    if delta_rule is None:
+        delta_rule = DeltaRule.RECURRENT if steps <= MAX_RECORDED_STEPS else DeltaRule.CHUNKED
+    offsets = cache.length
+    if positions is None:
+        positions = offsets[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    angles = rope_inv_freq(cfg)[:, None, None] * positions[None].astype(jnp.float32)  # [R/2, B, T]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+    h = jnp.take(params["embed"], tokens.reshape(-1), axis=0).T  # [D, B*T]
+    new_keys, new_values, hiddens = [], [], {-1: h}
+    recorded: list[dict[str, jax.Array]] = []
+    for index, (layer, kind) in enumerate(zip(params["layers"], cfg.layer_types)):
+        with jax.named_scope(f"layer_{index}_{kind.value}"):
+            x = rms_norm(h, layer["attn_norm"], cfg.norm_eps)
+            if kind is LayerType.FULL_ATTENTION:
+                slot = len(new_keys)
+                mixed, k_buf, v_buf = _gated_attention(layer, cfg, x, cos, sin, cache.keys[slot],
+                                                       cache.values[slot], offsets, batch, steps)
+                new_keys.append(k_buf)
+                new_values.append(v_buf)
+            else:
+                conv_window, state = cache.current_state(len(recorded))
+                mixed, pending = _delta_net(layer, cfg, x, conv_window, state, batch, steps, delta_rule)
+                recorded.append(pending)
+            h = h + mixed
+            x = rms_norm(h, layer["mlp_norm"], cfg.norm_eps)
+            h = h + layer["down_proj"] @ (jax.nn.silu(layer["gate_proj"] @ x) * (layer["up_proj"] @ x))
+        hiddens[index] = h
+
+    h = rms_norm(h, params["final_norm"], cfg.norm_eps).reshape(cfg.dim, batch, steps)
+    if logit_indices is not None:
+        h = jnp.take_along_axis(h, logit_indices[None], axis=2)  # [D, B, P]
+    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    logits = (head @ h.reshape(cfg.dim, -1)).reshape(-1, batch, h.shape[2]).transpose(1, 2, 0)  # [B, P, V]
+    hidden_out = tuple(hiddens[i].reshape(cfg.dim, batch, steps).transpose(1, 2, 0) for i in hidden_layers)
+
+    pending = None
+    if recorded:
+        fields = {name: tuple(r[name] for r in recorded) for name in recorded[0]}
+        pending = RecordedSteps(**fields) if delta_rule is DeltaRule.RECURRENT else ChunkedSteps(**fields)
+    cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values), pending=pending)
+    return logits, hidden_out, cache
+
+
+# ----------------------------------------------------------------------------------------------
+# Params: shapes, random init, logical axes
+# ----------------------------------------------------------------------------------------------
+
+
+def layer_shapes(cfg: Qwen35Config, kind: LayerType) -> dict[str, tuple[int, ...]]:
+    D, F = cfg.dim, cfg.ffn_dim
+    if kind is LayerType.FULL_ATTENTION:
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        mixer = {"q_proj": (2 * N * H, D), "k_proj": (K * H, D), "v_proj": (K * H, D), "o_proj": (D, N * H),
+                 "q_norm": (H,), "k_norm": (H,)}
+    else:
+        E = cfg.linear_num_value_heads
+        mixer = {"qkv_proj": (cfg.conv_dim, D), "z_proj": (cfg.value_dim, D), "b_proj": (E, D),
+                 "a_proj": (E, D), "conv_weight": (cfg.conv_dim, cfg.linear_conv_kernel), "A_log": (E,),
+                 "dt_bias": (E,), "out_norm": (cfg.linear_value_head_dim,), "out_proj": (D, cfg.value_dim)}
+    return {"attn_norm": (D,), **mixer, "mlp_norm": (D,), "gate_proj": (F, D), "up_proj": (F, D),
+            "down_proj": (D, F)}
+
+
+def param_shapes(cfg: Qwen35Config) -> Params:
+    shapes: Params = {"embed": (cfg.vocab_size, cfg.dim),
+                      "layers": [layer_shapes(cfg, kind) for kind in cfg.layer_types],
+                      "final_norm": (cfg.dim,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, cfg.dim)
+    return shapes
+
+
+# Logical axis names per parameter (DESIGN.md contract 8): heads and ffn shard tensor-parallel.
+LAYER_AXES = {
+    "attn_norm": ("embed",), "mlp_norm": ("embed",),
+    "gate_proj": ("ffn", "embed"), "up_proj": ("ffn", "embed"), "down_proj": ("embed", "ffn"),
+    "q_proj": ("heads", "embed"), "k_proj": ("kv_heads", "embed"), "v_proj": ("kv_heads", "embed"),
+    "o_proj": ("embed", "heads"), "q_norm": (None,), "k_norm": (None,),
+    "qkv_proj": ("linear_channels", "embed"), "z_proj": ("linear_heads", "embed"),
+    "b_proj": ("linear_heads", "embed"), "a_proj": ("linear_heads", "embed"),
+    "conv_weight": ("linear_channels", None), "A_log": ("linear_heads",), "dt_bias": ("linear_heads",),
+    "out_norm": (None,), "out_proj": ("embed", "linear_heads"),
+}
+TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("vocab", "embed")}
+# Cache axes: the ring and state shard over batch and the DeltaNet's value heads.
+SSM_AXES = ("batch", None, "linear_heads", None, None)
+CONV_AXES = ("batch", None, None, "linear_channels")
+
+
+def param_axes(params: Params) -> Params:
+    """The params pytree with each array replaced by its tuple of logical axis names."""
+    axes = {name: TOP_AXES[name] for name in params if name != "layers"}
+    axes["layers"] = [{name: LAYER_AXES[name] for name in layer} for layer in params["layers"]]
+    return axes
+
+
+def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random params of the right shapes (tests and benchmarks of untrained shapes).
+
+    Decays are drawn so the recurrent state keeps a memory over tens of tokens (A in [0.05, 0.5]),
+    which a wrong rollback would show in the output.
+    """
+    keys = iter(jax.random.split(key, 16 * cfg.num_layers + 2))
+
+    def normal(*shape):
+        return scale * jax.random.normal(next(keys), shape, jnp.float32)
+
+    layers = []
+    for kind in cfg.layer_types:
+        layer = {name: normal(*shape) for name, shape in layer_shapes(cfg, kind).items()}
+        for norm in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "out_norm"):
+            if norm in layer:
+                layer[norm] = 1.0 + layer[norm]
+        if kind is LayerType.LINEAR_ATTENTION:
+            E = cfg.linear_num_value_heads
+            layer["conv_weight"] = layer["conv_weight"] / scale * 0.3
+            layer["A_log"] = jnp.log(jax.random.uniform(next(keys), (E,), minval=0.05, maxval=0.5))
+            layer["dt_bias"] = jnp.ones((E,)) + normal(E)
+        layers.append(layer)
+    params = {"embed": normal(cfg.vocab_size, cfg.dim), "layers": layers, "final_norm": 1.0 + normal(cfg.dim)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = normal(cfg.vocab_size, cfg.dim)
+    return params
+
+
+# ----------------------------------------------------------------------------------------------
+# HF config.json and checkpoint directories
+# ----------------------------------------------------------------------------------------------
+
+HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
+# Norms HF stores zero-centred (applied as x * (1 + w)); the loader stores 1 + w.
+_ZERO_CENTRED = frozenset({"attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm"})
+_HF_TOP = {"embed": "embed_tokens.weight", "final_norm": "norm.weight"}
+_HF_COMMON = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+              "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight",
+              "down_proj": "mlp.down_proj.weight"}
+_HF_MIXER = {
+    LayerType.FULL_ATTENTION: {"q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
+                               "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
+                               "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"},
+    LayerType.LINEAR_ATTENTION: {"qkv_proj": "linear_attn.in_proj_qkv.weight",
+                                 "z_proj": "linear_attn.in_proj_z.weight",
+                                 "b_proj": "linear_attn.in_proj_b.weight",
+                                 "a_proj": "linear_attn.in_proj_a.weight",
+                                 "conv_weight": "linear_attn.conv1d.weight", "A_log": "linear_attn.A_log",
+                                 "dt_bias": "linear_attn.dt_bias", "out_norm": "linear_attn.norm.weight",
+                                 "out_proj": "linear_attn.out_proj.weight"},
+}
+# Prefixes of the text trunk's tensors: ForConditionalGeneration, ForCausalLM, bare text model.
+_HF_PREFIXES = ("model.language_model.", "model.", "")
+# Options HF's qwen3_5 accepts that this trunk does not implement, and the value it needs.
+_UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "num_experts": None}
+
+
+def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8) -> Qwen35Config:
+    """Parse a `qwen3_5` or `qwen3_5_text` config.json. Errors name the offending field."""
+    model_type = hf.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not a Qwen3.5 hybrid ({HF_MODEL_TYPES})")
+    text = hf
+    if model_type == "qwen3_5":
+        text = hf.get("text_config")
+        if not isinstance(text, Mapping):
+            raise UnsupportedModelError("config.json of model_type 'qwen3_5' lacks a 'text_config' object")
+    for field, supported in _UNSUPPORTED.items():
+        value = text.get(field, supported)
+        if value != supported and not (supported is None and not value):
+            raise UnsupportedModelError(f"{field}={value!r} is not supported by the Qwen3.5 trunk (needs {supported!r})")
+    try:
+        num_layers = int(text["num_hidden_layers"])
+        layer_types = text.get("layer_types")
+        if layer_types is None:  # HF's default pattern: every `full_attention_interval`-th layer
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                           for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise UnsupportedModelError(
+                f"layer_types has {len(layer_types)} entries but num_hidden_layers is {num_layers}")
+        kinds = []
+        for index, name in enumerate(layer_types):
+            try:
+                kinds.append(LayerType(name))
+            except ValueError:
+                raise UnsupportedModelError(
+                    f"layer_types[{index}]={name!r} is not supported (only {[t.value for t in LayerType]})") from None
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise UnsupportedModelError(f"rope_parameters.rope_type={rope_type!r} is not supported (only 'default')")
+        theta = float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)))
+        dim, num_heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+        head_dim = int(text.get("head_dim") or dim // num_heads)
+        rope_fields = dict(text)
+        if "rotary_dim" not in text and "partial_rotary_factor" not in text and "partial_rotary_factor" not in rope:
+            rope_fields["partial_rotary_factor"] = 0.25  # HF's default for Qwen3.5
+        tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        eos = text.get("eos_token_id", hf.get("eos_token_id"))
+        return Qwen35Config(
+            vocab_size=int(text["vocab_size"]),
+            dim=dim,
+            num_layers=num_layers,
+            layer_types=tuple(kinds),
+            ffn_dim=int(text["intermediate_size"]),
+            num_heads=num_heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            rotary_dim=resolve_rotary_dim(rope_fields, head_dim),
+            rope_theta=theta,
+            linear_num_key_heads=int(text["linear_num_key_heads"]),
+            linear_num_value_heads=int(text["linear_num_value_heads"]),
+            linear_key_head_dim=int(text["linear_key_head_dim"]),
+            linear_value_head_dim=int(text["linear_value_head_dim"]),
+            linear_conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+            tie_embeddings=bool(tie),
+            bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")),
+            eos_token_ids=() if eos is None else ((int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)),
+            rollback_states=rollback_states,
+        )
+    except KeyError as missing:
+        raise UnsupportedModelError(f"config.json lacks required field {missing}") from None
+
+
+def is_hf_dir(directory: pathlib.Path) -> bool:
+    """Whether `directory` is an HF checkpoint of a Qwen3.5 hybrid (by config.json's model_type)."""
+    import json
+
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in HF_MODEL_TYPES
+
+
+def params_from_hf(cfg: Qwen35Config, read: Callable[[str], np.ndarray], names: frozenset[str] | set[str],
+                   *, source: str = "checkpoint") -> Params:
+    """Assemble float32 numpy params from HF tensors: `read(name)`, `names` what exists.
+
+    Raises CheckpointError naming a missing or misshapen tensor (and the layer kind that needs it).
+    """
+    prefix = next((p for p in _HF_PREFIXES if f"{p}{_HF_TOP['embed']}" in names), None)
+    if prefix is None:
+        raise CheckpointError(f"{source} lacks tensor 'model.language_model.embed_tokens.weight' (or 'model.embed_tokens.weight')")
+
+    def take(name: str, key: str, expected: tuple[int, ...], why: str) -> np.ndarray:
+        if name not in names:
+            raise CheckpointError(f"{source} lacks tensor {name!r}{why}")
+        array = np.asarray(read(name), np.float32)
+        if key == "conv_weight" and array.ndim == 3:  # HF Conv1d [C, 1, W]
+            array = array[:, 0]
+        if tuple(array.shape) != expected:
+            raise CheckpointError(f"tensor {name!r} in {source} has shape {tuple(array.shape)}, "
+                                  f"expected {expected} from the config")
+        return np.ascontiguousarray(array + 1.0 if key in _ZERO_CENTRED else array)
+
+    shapes = param_shapes(cfg)
+    params: Params = {key: take(prefix + hf_name, key, shapes[key], "") for key, hf_name in _HF_TOP.items()}
+    params["layers"] = []
+    for index, kind in enumerate(cfg.layer_types):
+        why = f" (layer {index} is {kind.value} per config layer_types)"
+        layer_names = {**_HF_COMMON, **_HF_MIXER[kind]}
+        params["layers"].append({key: take(f"{prefix}layers.{index}.{layer_names[key]}", key, shape, why)
+                                 for key, shape in shapes["layers"][index].items()})
+    if not cfg.tie_embeddings:
+        params["lm_head"] = take("lm_head.weight", "lm_head", shapes["lm_head"], " (tie_word_embeddings is false)")
+    return params
+
+
+def load_hf_dir(directory: pathlib.Path, *, progress: bool = False) -> tuple[Qwen35Config, Params]:
+    """A Qwen3.5 HF directory (safetensors, any float dtype) -> (config, float32 numpy params)."""
+    import contextlib
+
+    from jaxspec import checkpoints
+
+    directory = pathlib.Path(directory)
+    cfg = config_from_hf(checkpoints._read_json(directory / "config.json"))
+    files = checkpoints.hf_weight_files(directory)
+    with contextlib.ExitStack() as stack:
+        reader = checkpoints._SafetensorsReader(files, stack)
+        params = params_from_hf(cfg, reader.read, frozenset(files), source=f"HF checkpoint {directory}")
+    return cfg, params

@@ -1,0 +1,21 @@
+"""Pallas kernels, each beside its float32 jnp reference (DESIGN.md contract 9).
+
+    flash_decode.py  attention of T = 1 (decode) or k+1 (verify) queries per row over the cache
+    kv_quant.py      KV storage formats (f32, bf16, ggml q8_0 / q5_1) and quantize-on-write
+
+`Attention` is the one switch: "auto" runs the kernel on GPU and the XLA reference elsewhere.
+"""
+
+from jaxspec.pallas.flash_decode import (
+    Attention,
+    attend,
+    flash_decode,
+    flash_decode_reference,
+    resolve_attention,
+)
+from jaxspec.pallas.kv_quant import Format, Q5_1, Q8_0, dequantize, quantize, quantize_reference
+
+__all__ = [
+    "Attention", "Format", "Q5_1", "Q8_0", "attend", "dequantize", "flash_decode",
+    "flash_decode_reference", "quantize", "quantize_reference", "resolve_attention",
+]

@@ -1,0 +1,302 @@
+"""Attention of T new queries per row over a KV cache: decode (T = 1) and verify (T = k+1).
+
+Every query of row b attends to that row's cache slots up to its own: query t sits at slot
+`lengths[b] + t` (its K/V already written there) and sees slots s <= lengths[b] + t, which is
+causal within the T new tokens. Query heads share kv heads in groups of G = N / K (GQA).
+
+`flash_decode` is the Pallas kernel: one program per (row, kv head, split of S) holds that kv
+head's G*T queries as one tile, walks its split in blocks of `block_s` slots with an online
+softmax, stops at the last slot any of its queries can see (a short row reads little of a long
+cache), and dequantizes K/V blocks in registers, so a quantized cache is read at its packed
+size. The splits are merged outside the kernel (flash-decoding). `flash_decode_reference` is the
+same attention in float32 jnp with the same signature; it is the XLA path on CPU.
+
+The switch `Attention` picks between them: AUTO is the kernel on GPU and the reference elsewhere
+(interpret mode is for tests, not speed).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxspec.errors import InvalidRequestError
+from jaxspec.pallas import kv_quant
+from jaxspec.pallas.kv_quant import BLOCK, Format, Packed, Q5_1, Q8_0
+
+_MASKED = float(jnp.finfo(jnp.float32).min)
+_GPU_MIN_ROWS = 16  # Triton's dot needs at least 16 rows
+
+
+class Attention(enum.Enum):
+    AUTO = "auto"  # the kernel on GPU, the XLA reference elsewhere
+    REFERENCE = "reference"  # flash_decode_reference (XLA)
+    PALLAS = "pallas"  # the Pallas kernel, compiled natively (GPU)
+    INTERPRET = "interpret"  # the Pallas kernel in the Pallas interpreter (tests on CPU)
+
+    @classmethod
+    def parse(cls, name: "Attention | str") -> "Attention":
+        if isinstance(name, Attention):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            raise InvalidRequestError(
+                f"unknown attention {name!r}; choose from {[a.value for a in cls]}") from None
+
+
+def resolve_attention(attention: Attention | str) -> Attention:
+    """AUTO -> PALLAS on GPU, REFERENCE elsewhere; PALLAS off a GPU is an error."""
+    attention = Attention.parse(attention)
+    backend = jax.default_backend()
+    if attention is Attention.AUTO:
+        return Attention.PALLAS if backend == "gpu" else Attention.REFERENCE
+    if attention is Attention.PALLAS and backend != "gpu":
+        kv_quant.check_backend(False, "attention='pallas'")
+    return attention
+
+
+def _logical_shape(x: Packed) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _check_inputs(q, keys, values, lengths) -> tuple[int, int, int, int, int, int]:
+    if q.ndim != 5:
+        raise InvalidRequestError(f"q must be [B, T, K, G, H]; got {q.shape=}")
+    batch, steps, num_kv_heads, group, head_dim = q.shape
+    key_shape, value_shape = _logical_shape(keys), _logical_shape(values)
+    if len(key_shape) != 4 or key_shape != value_shape:
+        raise InvalidRequestError(f"keys and values must both be [B, K, S, H]; got {key_shape} and {value_shape}")
+    if (key_shape[0], key_shape[1], key_shape[3]) != (batch, num_kv_heads, head_dim):
+        raise InvalidRequestError(f"{q.shape=} and the cache's [B, K, S, H] = {key_shape} disagree on B, K or H")
+    if lengths.shape != (batch,):
+        raise InvalidRequestError(f"lengths must be int32[B={batch}]; got {lengths.shape=}")
+    return batch, steps, num_kv_heads, group, key_shape[2], head_dim
+
+
+def _grouped(q: jax.Array) -> jax.Array:
+    """[B, T, K, G, H] -> [B, K, G*T, H]: one (row, kv head)'s queries as one tile, rows (g, t)."""
+    batch, steps, num_kv_heads, group, head_dim = q.shape
+    return q.transpose(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * steps, head_dim)
+
+
+def _ungrouped(out: jax.Array, steps: int) -> jax.Array:
+    """[B, K, G*T, H] -> [B, T, K, G, H]."""
+    batch, num_kv_heads, rows, head_dim = out.shape
+    return out.reshape(batch, num_kv_heads, rows // steps, steps, head_dim).transpose(0, 3, 1, 2, 4)
+
+
+# --- reference ---------------------------------------------------------------------------------
+
+def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
+                           block_s: int = 0, split_size: int = 0, interpret: bool = False) -> jax.Array:
+    """Masked softmax attention in float32 jnp: the whole cache, dequantized, in two einsums.
+
+    q: [B, T, K, G, H]; keys, values: [B, K, S, H] in any KV format; lengths: int32[B].
+    Returns float32 [B, T, K, G, H]. block_s, split_size, interpret: kernel tiling, ignored here.
+    """
+    del block_s, split_size, interpret
+    batch, steps, num_kv_heads, group, capacity, head_dim = _check_inputs(q, keys, values, lengths)
+    keys, values = kv_quant.dequantize(keys), kv_quant.dequantize(values)  # [B, K, S, H]
+    queries = _grouped(q.astype(jnp.float32))  # [B, K, G*T, H]
+    scores = jnp.einsum("BKQH,BKSH->BKQS", queries * (1.0 / math.sqrt(head_dim)), keys)
+    slot = lengths[:, None] + jnp.arange(steps)[None, :]  # [B, T]: each query's own slot
+    visible = jnp.arange(capacity)[None, None, :] <= jnp.tile(slot, (1, group))[:, :, None]  # [B, G*T, S]
+    scores = jnp.where(visible[:, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values)
+    return _ungrouped(out, steps)
+
+
+# --- kernel ------------------------------------------------------------------------------------
+
+def _load_block(refs, fmt: Format, slots) -> jax.Array:
+    """float32 [block_s, H] of one format's leaf refs (each [split, X]) at `slots`."""
+    if not fmt.is_block:
+        return refs[0][slots, :].astype(jnp.float32)
+    if fmt is Format.Q8_0:
+        codes_ref, scales_ref = refs
+        codes = codes_ref[slots, :].astype(jnp.float32)  # [bs, H]
+        rows, head_dim = codes.shape
+        scales = scales_ref[slots, :].astype(jnp.float32)  # [bs, H/32]
+        blocks = codes.reshape(rows, head_dim // BLOCK, BLOCK) * scales[:, :, None]
+        return blocks.reshape(rows, head_dim)
+    nibbles_ref, high_bits_ref, scales_ref, mins_ref = refs
+    codes = kv_quant.unpack_block_codes(nibbles_ref[slots, :], high_bits_ref[slots, :]).astype(jnp.float32)
+    rows, num_blocks = codes.shape[:2]
+    scales = scales_ref[slots, :].astype(jnp.float32).reshape(rows, num_blocks, 1, 1)
+    mins = mins_ref[slots, :].astype(jnp.float32).reshape(rows, num_blocks, 1, 1)
+    return (codes * scales + mins).reshape(rows, num_blocks * BLOCK)
+
+
+def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
+    """a [M, C] against b, contracting b's axis `contract_b`, in full float32 (IEEE on Triton)."""
+    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def flash_decode_kernel(
+    # inputs
+    lengths_ref,  # int32[]: this row's length; query t sits at slot length + t
+    q_ref,  # [R, H]: the G*T queries of one (row, kv head), rows (g, t), padded to R
+    # ... then the key leaves and the value leaves, each [split, X] (this program's split of S)
+    # outputs: o [R, H] unnormalised, m [R] running max, l [R] softmax denominator
+    *refs,
+    key_format: Format,
+    value_format: Format,
+    num_key_leaves: int,
+    steps: int,
+    capacity: int,
+    block_s: int,
+    scale: float,
+):
+    key_refs = refs[:num_key_leaves]
+    value_refs = refs[num_key_leaves:-3]
+    o_ref, m_ref, l_ref = refs[-3:]
+    split = key_refs[0].shape[0]
+    rows, head_dim = q_ref.shape
+    split_start = pl.program_id(2) * split
+
+    length = lengths_ref[()]
+    q = q_ref[...].astype(jnp.float32) * scale  # [R, H]
+    query_slot = length + jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (rows,), 0), steps)  # [R]
+    # Nothing at or past slot length + T is visible to any query: those blocks are never read.
+    end = jnp.minimum(length + steps, capacity)
+    num_blocks = jnp.clip(pl.cdiv(end - split_start, block_s), 0, split // block_s)
+
+    def body(index, carry):
+        o, m, l = carry
+        start = index * block_s
+        slots = pl.ds(pl.multiple_of(start, block_s), block_s)
+        keys = _load_block(key_refs, key_format, slots)  # [bs, H]
+        scores = _dot(q, keys, 1)  # [R, bs]
+        slot = split_start + start + jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
+        visible = slot[None, :] <= query_slot[:, None]
+        scores = jnp.where(visible, scores, _MASKED)
+        m_next = jnp.maximum(m, jnp.max(scores, axis=1))
+        correction = jnp.exp(m - m_next)
+        p = jnp.where(visible, jnp.exp(scores - m_next[:, None]), 0.0)  # [R, bs]
+        values = _load_block(value_refs, value_format, slots)  # [bs, H]
+        o = correction[:, None] * o + _dot(p, values, 0)
+        return o, m_next, correction * l + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    o, m, l = jax.lax.fori_loop(0, num_blocks, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _largest_dividing(size: int, limit: int) -> int:
+    """The largest power of two <= limit that divides size (size itself when size <= limit)."""
+    if size <= limit:
+        return size
+    block = 1 << (limit.bit_length() - 1)
+    while size % block:
+        block //= 2
+    return block
+
+
+def kernel_supports(head_dim: int, capacity: int) -> bool:
+    """Whether the native (Triton) kernel takes this shape: power-of-two tiles of >= 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and capacity % 16 == 0
+
+
+@functools.partial(jax.jit, static_argnames=("block_s", "split_size", "interpret"))
+def _flash_decode_pallas(q, keys, values, lengths, *, block_s, split_size, interpret):
+    batch, steps, num_kv_heads, group, capacity, head_dim = _check_inputs(q, keys, values, lengths)
+    split = _largest_dividing(capacity, split_size)
+    block_s = _largest_dividing(split, block_s)
+    num_splits = capacity // split
+    if not interpret and (block_s < 16 or not kernel_supports(head_dim, capacity)):
+        raise InvalidRequestError(
+            f"the GPU kernel needs power-of-two tiles of at least 16: head_dim={head_dim}, "
+            f"capacity={capacity} (multiple of 16), block_s={block_s}")
+
+    queries = _grouped(q)  # [B, K, G*T, H]
+    rows = queries.shape[2]
+    padded_rows = rows if interpret else max(_GPU_MIN_ROWS, pl.next_power_of_2(rows))
+    if padded_rows != rows:
+        queries = jnp.pad(queries, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+
+    key_leaves, value_leaves = jax.tree.leaves(keys), jax.tree.leaves(values)
+    kv_specs = [pl.BlockSpec((None, None, split, leaf.shape[3]), lambda b, k, j: (b, k, j, 0))
+                for leaf in key_leaves + value_leaves]
+    kernel = functools.partial(
+        flash_decode_kernel, key_format=kv_quant.format_of(keys), value_format=kv_quant.format_of(values),
+        num_key_leaves=len(key_leaves), steps=steps, capacity=capacity, block_s=block_s,
+        scale=1.0 / math.sqrt(head_dim))
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+        compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_splits),
+        in_specs=[pl.BlockSpec((None,), lambda b, k, j: (b,)),
+                  pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, k, j: (b, k, 0, 0)),
+                  *kv_specs],
+        out_specs=[pl.BlockSpec((None, None, None, padded_rows, head_dim), lambda b, k, j: (b, k, j, 0, 0)),
+                   pl.BlockSpec((None, None, None, padded_rows), lambda b, k, j: (b, k, j, 0)),
+                   pl.BlockSpec((None, None, None, padded_rows), lambda b, k, j: (b, k, j, 0))],
+        out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, padded_rows, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, padded_rows), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, padded_rows), jnp.float32)],
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="flash_decode",
+    )(lengths.astype(jnp.int32), queries, *key_leaves, *value_leaves)
+
+    # Merge the splits: rescale each to the overall max (a split no query could see has l = 0).
+    m_all = jnp.max(m, axis=2, keepdims=True)  # [B, K, 1, R]
+    weight = jnp.exp(m - m_all)
+    denominator = jnp.sum(l * weight, axis=2)  # [B, K, R]
+    out = jnp.sum(o * weight[..., None], axis=2) / denominator[..., None]  # [B, K, R, H]
+    return _ungrouped(out[:, :, :rows], steps)
+
+
+def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
+                 block_s: int = 64, split_size: int = 512, interpret: bool = False) -> jax.Array:
+    """Attention of T queries per row over the cache, as a Pallas kernel.
+
+    q: [B, T, K, G, H] (query head k*G + g; RoPE applied, unscaled); keys, values: [B, K, S, H]
+    in any KV format (plain arrays or `Q8_0` / `Q5_1`), the T new entries already written at
+    `lengths[b] + t`; lengths: int32[B]. Returns float32 [B, T, K, G, H].
+    block_s: slots per inner step; split_size: slots per program (S is split across programs);
+    both are rounded down to powers of two dividing S. interpret: run in the Pallas interpreter.
+    """
+    if block_s < 1 or split_size < 1:
+        raise InvalidRequestError(f"{block_s=} and {split_size=} must be >= 1")
+    kv_quant.check_backend(interpret, "flash_decode")
+    return _flash_decode_pallas(q, keys, values, lengths, block_s=block_s, split_size=split_size,
+                                interpret=interpret)
+
+
+def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
+           attention: Attention | str = Attention.AUTO) -> jax.Array:
+    """The one dispatch: `flash_decode` or `flash_decode_reference` per the switch."""
+    requested = Attention.parse(attention)
+    attention = resolve_attention(requested)
+    if attention is Attention.PALLAS:
+        if requested is Attention.AUTO and not kernel_supports(q.shape[-1], _logical_shape(keys)[2]):
+            return flash_decode_reference(q, keys, values, lengths)  # AUTO falls back; PALLAS says why
+        return flash_decode(q, keys, values, lengths)
+    if attention is Attention.INTERPRET:
+        return flash_decode(q, keys, values, lengths, block_s=16, split_size=64, interpret=True)
+    return flash_decode_reference(q, keys, values, lengths)
+
+
+def quantize_for(attention: Attention | str):
+    """The quantize-on-write op matching the attention path (kernel on GPU, jnp elsewhere)."""
+    attention = resolve_attention(attention)
+    if attention is Attention.PALLAS:
+        return kv_quant.quantize
+    if attention is Attention.INTERPRET:
+        return functools.partial(kv_quant.quantize, interpret=True)
+    return kv_quant.quantize_reference
