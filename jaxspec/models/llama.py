@@ -154,7 +154,7 @@ def _attention(
     # The new keys/values land at each row's own offset (quantized on the way in for a block
     # format); attention then reads them back from the cache like every other slot, so a T = 1
     # and a T = k+1 forward see the same stored values.
-    quantize = quantize_for(attention)
+    quantize = quantize_for(attention, H, keys.shape[2])
     keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
     values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
 

@@ -278,25 +278,31 @@ def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array,
                                 interpret=interpret)
 
 
+def _path(attention: Attention | str, head_dim: int, capacity: int) -> Attention:
+    """REFERENCE, PALLAS or INTERPRET; AUTO takes the kernel only for shapes it supports."""
+    requested = Attention.parse(attention)
+    resolved = resolve_attention(requested)
+    if resolved is Attention.PALLAS and requested is Attention.AUTO and not kernel_supports(head_dim, capacity):
+        return Attention.REFERENCE  # an explicit "pallas" goes on and says what does not fit
+    return resolved
+
+
 def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
            attention: Attention | str = Attention.AUTO) -> jax.Array:
     """The one dispatch: `flash_decode` or `flash_decode_reference` per the switch."""
-    requested = Attention.parse(attention)
-    attention = resolve_attention(requested)
-    if attention is Attention.PALLAS:
-        if requested is Attention.AUTO and not kernel_supports(q.shape[-1], _logical_shape(keys)[2]):
-            return flash_decode_reference(q, keys, values, lengths)  # AUTO falls back; PALLAS says why
+    path = _path(attention, q.shape[-1], _logical_shape(keys)[2])
+    if path is Attention.PALLAS:
         return flash_decode(q, keys, values, lengths)
-    if attention is Attention.INTERPRET:
+    if path is Attention.INTERPRET:
         return flash_decode(q, keys, values, lengths, block_s=16, split_size=64, interpret=True)
     return flash_decode_reference(q, keys, values, lengths)
 
 
-def quantize_for(attention: Attention | str):
-    """The quantize-on-write op matching the attention path (kernel on GPU, jnp elsewhere)."""
-    attention = resolve_attention(attention)
-    if attention is Attention.PALLAS:
+def quantize_for(attention: Attention | str, head_dim: int, capacity: int):
+    """The quantize-on-write op on the same path as `attend` (kernel on GPU, jnp elsewhere)."""
+    path = _path(attention, head_dim, capacity)
+    if path is Attention.PALLAS:
         return kv_quant.quantize
-    if attention is Attention.INTERPRET:
+    if path is Attention.INTERPRET:
         return functools.partial(kv_quant.quantize, interpret=True)
     return kv_quant.quantize_reference

@@ -145,6 +145,11 @@ def quantize_reference(x: jax.Array, fmt: Format | str, *, block_rows: int = 0,
     del block_rows, interpret
     fmt = Format.parse(fmt)
     fmt.check_head_dim(x.shape[-1])
+    return _quantize_reference(x, fmt)
+
+
+@functools.partial(jax.jit, static_argnames="fmt")
+def _quantize_reference(x: jax.Array, fmt: Format) -> Packed:
     if not fmt.is_block:
         return x.astype(_PLAIN_DTYPES[fmt])
     *lead, head_dim = x.shape
@@ -169,6 +174,11 @@ def dequantize(x: Packed) -> jax.Array:
     """float32 [..., H] from any format (plain float32 passes through untouched)."""
     if not isinstance(x, (Q8_0, Q5_1)):
         return x if x.dtype == jnp.float32 else x.astype(jnp.float32)
+    return _dequantize_blocks(x)
+
+
+@jax.jit
+def _dequantize_blocks(x: Q8_0 | Q5_1) -> jax.Array:
     *lead, head_dim = x.shape
     blocks = (*lead, head_dim // BLOCK)
     if isinstance(x, Q8_0):
