@@ -268,23 +268,31 @@ class Qwen35Cache:
         """Commit or roll back to `length[b]` tokens per row.
 
         From the last forward's pending positions (length .. length + T), or back to any length
-        the ring holds ([oldest, length]); anything else raises StateRollbackError.
+        the ring holds ([oldest, length]); anything else raises StateRollbackError (see
+        `_check_restorable` for what is checked inside a jitted program).
         """
         target = jnp.broadcast_to(jnp.asarray(length, jnp.int32), self.length.shape)
         base, R = self.length, self.rollback_states
         steps = 0 if self.pending is None else self.pending.steps
         from_pending = (target > base) & (target <= base + steps)
         restorable = (target >= self.oldest) & (target <= base)
-        _check_restorable(from_pending | restorable, target, base, self.oldest, steps, R)
-        if self.pending is None or not self.ssm:
-            oldest = jnp.where(from_pending, jnp.maximum(self.oldest, target - R + 1), self.oldest)
-            return self.replace(length=target, oldest=jnp.minimum(oldest, target), pending=None)
-        if isinstance(self.pending, RecordedSteps):
-            conv, ssm = _commit_recorded(self, self.pending, target, from_pending)
-            oldest = jnp.where(from_pending, jnp.maximum(self.oldest, target - R + 1), self.oldest)
-        else:
-            conv, ssm = _commit_chunked(self, self.pending, target, from_pending)
-            oldest = jnp.where(from_pending, target, self.oldest)
+        ok = from_pending | restorable
+        # Under jit the host is told only of a pure rollback (no pending forward): that is where a
+        # ring too small for a drafter's k shows, and it costs a branch, not a sync. Any length the
+        # cache cannot serve also poisons that row's state with NaN, so a caller's bad commit shows
+        # in its outputs rather than as plausible numbers.
+        _check_restorable(ok, target, base, self.oldest, steps, R, on_device=self.pending is None)
+        conv, ssm, oldest = self.conv, self.ssm, self.oldest
+        if self.pending is not None and self.ssm:
+            if isinstance(self.pending, RecordedSteps):
+                conv, ssm = _commit_recorded(self, self.pending, target, from_pending)
+                oldest = jnp.where(from_pending, jnp.maximum(oldest, target - R + 1), oldest)
+            else:
+                conv, ssm = _commit_chunked(self, self.pending, target, from_pending)
+                oldest = jnp.where(from_pending, target, oldest)
+        unservable = jnp.where(ok, R, target % R)  # R: out of range, nothing written
+        rows = jnp.arange(self.batch)
+        ssm = tuple(ring.at[rows, unservable].set(jnp.nan, mode="drop") for ring in ssm)
         return self.replace(conv=conv, ssm=ssm, length=target, oldest=jnp.minimum(oldest, target), pending=None)
 
 
@@ -364,10 +372,13 @@ def _raise_rollback(ok, target, length, oldest, steps, history):
         "round needs rollback_states >= k + 1), and a chunked (prefill) forward commits one state")
 
 
-def _check_restorable(ok, target, length, oldest, steps: int, history: int) -> None:
-    """Raise StateRollbackError where `ok` is False: now if concrete, else from the program."""
+def _check_restorable(ok, target, length, oldest, steps: int, history: int, *, on_device: bool) -> None:
+    """Raise StateRollbackError where `ok` is False: now if concrete, else (with `on_device`)
+    from inside the program."""
     if not any(isinstance(x, jax.core.Tracer) for x in (ok, target, length, oldest)):
         _raise_rollback(ok, target, length, oldest, steps, history)
+        return
+    if not on_device:
         return
     # Under jit: a host callback in the failing branch only, so a healthy program never syncs.
     jax.lax.cond(
@@ -402,15 +413,8 @@ def recurrent_delta_rule(query, key, value, decay, beta, state):
         state = state + k[..., :, None] * delta[..., None, :]
         return state, (jnp.einsum("BEXY,BEX->BEY", state, q), state)
 
-    steps = key.shape[1]
-    if steps <= MAX_RECORDED_STEPS:  # unrolled: XLA writes each state straight into the stack
-        outs, states = [], []
-        for t in range(steps):
-            state, (out, _) = step(state, (query[:, t], key[:, t], value[:, t], decay[:, t], beta[:, t]))
-            outs.append(out)
-            states.append(state)
-        return jnp.stack(outs, axis=1), jnp.stack(states, axis=1)
     time_major = [jnp.swapaxes(x, 0, 1) for x in (query, key, value, decay, beta)]
+    # A scan, not an unrolled loop: unrolling 16 steps costs seconds of XLA compile per layer.
     _, (outs, states) = jax.lax.scan(step, state, time_major)
     return jnp.swapaxes(outs, 0, 1), jnp.swapaxes(states, 0, 1)
 
@@ -418,31 +422,49 @@ def recurrent_delta_rule(query, key, value, decay, beta, state):
 def _chunk_terms(key, decay, beta):
     """Within-chunk quantities. key [B, E, c, X]; decay, beta [B, E, c].
 
-    Returns the cumulative log decay [B, E, c], the pairwise decays exp(G_i - G_j) for j <= i
-    (0 above the diagonal) [B, E, c, c], and the UT system I + strictly_lower(beta k k^T decay).
+    Returns the cumulative log decay G [B, E, c], the pairwise decays exp(G_i - G_j) for j <= i
+    (0 above the diagonal) [B, E, c, c], and the strictly lower part A of the UT system I + A,
+    A_ij = beta_i (k_i . k_j) exp(G_i - G_j) for j < i.
     """
     size = key.shape[2]
     cumulative = jnp.cumsum(decay, axis=-1)
     causal = jnp.tril(jnp.ones((size, size), bool))
     difference = cumulative[..., :, None] - cumulative[..., None, :]
     pairwise = jnp.where(causal, jnp.exp(jnp.where(causal, difference, 0.0)), 0.0)
-    k_beta = key * beta[..., None]
-    system = jnp.einsum("BEiX,BEjX->BEij", k_beta, key) * pairwise
-    system = jnp.where(jnp.tril(jnp.ones((size, size), bool), -1), system, 0.0) + jnp.eye(size)
-    return cumulative, pairwise, system
+    lower = jnp.einsum("BEiX,BEjX->BEij", key * beta[..., None], key) * pairwise
+    lower = jnp.where(jnp.tril(jnp.ones((size, size), bool), -1), lower, 0.0)
+    return cumulative, pairwise, lower
+
+
+def unit_lower_inverse(lower: jax.Array) -> jax.Array:
+    """(I + A)^-1 for a strictly lower triangular A [..., c, c], by doubling.
+
+    N = -A is nilpotent (N^c = 0), so (I - N)^-1 = I + N + ... + N^(c-1)
+    = (I + N)(I + N^2)(I + N^4)...: 2 log2(c) matmuls. The same numbers as a triangular solve
+    (tested), but a handful of dots for XLA: a triangular solve inside the chunk scan cost seconds
+    of CPU compile per layer.
+    """
+    size = lower.shape[-1]
+    eye = jnp.eye(size, dtype=lower.dtype)
+    power = -lower
+    inverse = eye + power
+    for _ in range(max(size - 1, 1).bit_length() - 1):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    return inverse
 
 
 def _chunk_step(state, query, key, value, decay, beta):
     """One chunk of the chunked form: (outputs [B, E, c, Y] or None, state after the chunk).
 
-    The UT transform turns the chunk's c sequential rank-one updates into two triangular solves:
-    u = T^-1 (beta v) and w = T^-1 (beta k e^G); the new values the state has not yet predicted
-    are u - w S, and S' = S e^{G_c} + (k e^{G_c - G})^T (u - w S).
+    The UT transform turns the chunk's c sequential rank-one updates into matmuls with
+    T = (I + A)^-1: u = T (beta v) and w = T (beta k e^G); the new values the state has not yet
+    predicted are u - w S, and S' = S e^{G_c} + (k e^{G_c - G})^T (u - w S).
     """
-    cumulative, pairwise, system = _chunk_terms(key, decay, beta)
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
-    new_values = solve(value * beta[..., None])
-    key_cumdecay = solve(key * (beta * jnp.exp(cumulative))[..., None])
+    cumulative, pairwise, lower = _chunk_terms(key, decay, beta)
+    transform = unit_lower_inverse(lower)
+    new_values = transform @ (value * beta[..., None])
+    key_cumdecay = transform @ (key * (beta * jnp.exp(cumulative))[..., None])
     corrected = new_values - jnp.einsum("BEcX,BEXY->BEcY", key_cumdecay, state)
     total = cumulative[..., -1:]  # [B, E, 1]
     out = None
