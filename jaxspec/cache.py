@@ -25,7 +25,8 @@ from jaxspec.pallas import kv_quant
 from jaxspec.pallas.kv_quant import Format, Packed
 
 # Logical axis names, stable so shardings can be declared later without touching the models
-# (DESIGN.md contract 8): batch shards data-parallel, kv heads tensor-parallel.
+# (DESIGN.md contract 8): batch shards data-parallel, kv heads tensor-parallel. Every leaf of a
+# quantized buffer has the same axes, its last one the packed head dim (never sharded).
 KV_AXES = ("batch", "kv_heads", "kv_seq", "head_dim")
 
 
