@@ -3,6 +3,7 @@ reference over formats, group sizes, T and lengths, the model forward through th
 attention switch, and bad input. On CPU the kernel runs in the Pallas interpreter; on a GPU the
 same tests run it natively."""
 
+import functools
 import math
 
 import chex
@@ -14,6 +15,7 @@ import pytest
 from jaxspec.cache import KVCache
 from jaxspec.errors import InvalidRequestError
 from jaxspec.models import llama
+from jaxspec.pallas import flash_decode as flash_decode_module
 from jaxspec.pallas import kv_quant
 from jaxspec.pallas.flash_decode import Attention, flash_decode, flash_decode_reference, resolve_attention
 from tests.conftest import max_relative_error
@@ -105,6 +107,31 @@ def test_model_forward_through_the_kernel_matches_the_reference():
     # The quantize-on-write kernel stored exactly what the reference stored.
     chex.assert_trees_all_equal(our_cache.keys, ref_cache.keys)
     chex.assert_trees_all_equal(our_cache.values, ref_cache.values)
+
+
+@pytest.mark.parametrize("key_format, value_format", [("f32", "bf16"), ("q8_0", "q5_1"), ("q5_1", "q8_0")])
+def test_native_kernels_lower_to_triton_for_cuda(key_format, value_format):
+    """Even without a GPU, lowering for CUDA runs Pallas's Triton lowering of both kernels (every
+    op must have a Triton rule, blocks must be Triton-shaped); only Triton's own compile is left
+    for a GPU (bench/gpu_check.sh)."""
+    from jax import export
+
+    batch, steps, num_kv_heads, group, capacity, head_dim = 2, 5, 2, 4, 256, 128
+    shaped = lambda fmt: jax.eval_shape(lambda: kv_quant.zeros((batch, num_kv_heads, capacity, head_dim),
+                                                                 kv_quant.Format(fmt)))
+    triton_calls = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    attention = jax.jit(functools.partial(flash_decode_module._flash_decode_pallas, block_s=64,
+                                          split_size=128, interpret=False))
+    exported = export.export(attention, platforms=["cuda"], disabled_checks=triton_calls)(
+        jax.ShapeDtypeStruct((batch, steps, num_kv_heads, group, head_dim), jnp.float32),
+        shaped(key_format), shaped(value_format), jax.ShapeDtypeStruct((batch,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+    new = jax.ShapeDtypeStruct((batch, steps, num_kv_heads, head_dim), jnp.float32)
+    for fmt in {key_format, value_format} & {"q8_0", "q5_1"}:
+        quantize = jax.jit(functools.partial(kv_quant._quantize_pallas, fmt=kv_quant.Format(fmt), block_rows=64,
+                                             interpret=False))
+        exported = export.export(quantize, platforms=["cuda"], disabled_checks=triton_calls)(new)
+        assert "__gpu$xla.gpu.triton" in exported.mlir_module()
 
 
 def test_attention_switch():

@@ -4,18 +4,12 @@
     kv_quant.py      KV storage formats (f32, bf16, ggml q8_0 / q5_1) and quantize-on-write
 
 `Attention` is the one switch: "auto" runs the kernel on GPU and the XLA reference elsewhere.
+The kernel functions live in their modules (`flash_decode.flash_decode`, `kv_quant.quantize`);
+the package does not re-export `flash_decode`, which would shadow its module.
 """
 
-from jaxspec.pallas.flash_decode import (
-    Attention,
-    attend,
-    flash_decode,
-    flash_decode_reference,
-    resolve_attention,
-)
-from jaxspec.pallas.kv_quant import Format, Q5_1, Q8_0, dequantize, quantize, quantize_reference
+from jaxspec.pallas import flash_decode, kv_quant
+from jaxspec.pallas.flash_decode import Attention, attend, resolve_attention
+from jaxspec.pallas.kv_quant import Format, Q5_1, Q8_0
 
-__all__ = [
-    "Attention", "Format", "Q5_1", "Q8_0", "attend", "dequantize", "flash_decode",
-    "flash_decode_reference", "quantize", "quantize_reference", "resolve_attention",
-]
+__all__ = ["Attention", "Format", "Q5_1", "Q8_0", "attend", "flash_decode", "kv_quant", "resolve_attention"]

@@ -266,12 +266,17 @@ def _quantize_pallas(x: jax.Array, fmt: Format, block_rows: int, interpret: bool
         flat = jnp.pad(flat, ((0, padded - rows), (0, 0)))
     template = jax.eval_shape(lambda: zeros((padded, head_dim), fmt))
     leaves, treedef = jax.tree.flatten(template)
+    compiler_params = None
+    if not interpret:  # Triton, not Mosaic GPU (which cannot reduce over one axis of several)
+        from jax.experimental.pallas import triton as plgpu
+        compiler_params = plgpu.CompilerParams(num_warps=4)
     out = pl.pallas_call(
         functools.partial(quantize_kernel, fmt=fmt),
         grid=(padded // block_rows,),
         in_specs=[pl.BlockSpec((block_rows, head_dim), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((block_rows, leaf.shape[1]), lambda i: (i, 0)) for leaf in leaves],
         out_shape=leaves,
+        compiler_params=compiler_params,
         interpret=interpret,
         name=f"quantize_{fmt.value}",
     )(flat)
