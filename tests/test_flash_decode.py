@@ -143,6 +143,19 @@ def test_attention_switch():
         resolve_attention("fast")
 
 
+def test_prefill_sized_queries_take_the_reference(monkeypatch):
+    def kernel_must_not_run(*args, **kwargs):
+        raise AssertionError("the kernel is for decode and verify sizes")
+
+    monkeypatch.setattr(flash_decode_module, "flash_decode", kernel_must_not_run)
+    steps, group = 65, 2  # G*T = 130 > MAX_KERNEL_QUERIES
+    assert group * steps > flash_decode_module.MAX_KERNEL_QUERIES
+    q = jnp.ones((1, steps, 1, group, 32))
+    keys = jnp.ones((1, 1, 80, 32))
+    out = flash_decode_module.attend(q, keys, keys, jnp.zeros((1,), jnp.int32), attention="interpret")
+    chex.assert_shape(out, q.shape)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the native kernel is allowed")
 def test_native_kernel_off_gpu_is_refused():
     keys = jnp.zeros((1, 1, 16, 32))

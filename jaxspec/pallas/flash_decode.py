@@ -31,6 +31,9 @@ from jaxspec.pallas.kv_quant import BLOCK, Format, Packed, Q5_1, Q8_0
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 _GPU_MIN_ROWS = 16  # Triton's dot needs at least 16 rows
+# A program holds one (row, kv head)'s G*T queries as one tile: decode and verify sizes. A
+# prefill-sized T goes to the reference (XLA), which tiles large attention itself.
+MAX_KERNEL_QUERIES = 128
 
 
 class Attention(enum.Enum):
@@ -218,6 +221,10 @@ def _flash_decode_pallas(q, keys, values, lengths, *, block_s, split_size, inter
         raise InvalidRequestError(
             f"the GPU kernel needs power-of-two tiles of at least 16: head_dim={head_dim}, "
             f"capacity={capacity} (multiple of 16), block_s={block_s}")
+    if not interpret and group * steps > MAX_KERNEL_QUERIES:
+        raise InvalidRequestError(
+            f"the GPU kernel is for decode and verify: G*T = {group}*{steps} queries per kv head must be "
+            f"<= {MAX_KERNEL_QUERIES}; use flash_decode_reference for prefill")
 
     queries = _grouped(q)  # [B, K, G*T, H]
     rows = queries.shape[2]
@@ -289,8 +296,12 @@ def _path(attention: Attention | str, head_dim: int, capacity: int) -> Attention
 
 def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
            attention: Attention | str = Attention.AUTO) -> jax.Array:
-    """The one dispatch: `flash_decode` or `flash_decode_reference` per the switch."""
+    """The one dispatch: `flash_decode` or `flash_decode_reference` per the switch.
+
+    Any path takes the reference for prefill-sized T (G*T > MAX_KERNEL_QUERIES)."""
     path = _path(attention, q.shape[-1], _logical_shape(keys)[2])
+    if q.shape[1] * q.shape[3] > MAX_KERNEL_QUERIES:
+        path = Attention.REFERENCE
     if path is Attention.PALLAS:
         return flash_decode(q, keys, values, lengths)
     if path is Attention.INTERPRET:
