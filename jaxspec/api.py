@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import checkpoints
+from jaxspec.cache import KVFormat
 from jaxspec.config import ModelConfig
+from jaxspec.pallas.flash_decode import Attention, resolve_attention
 from jaxspec.errors import InvalidRequestError
 from jaxspec.sampling import SamplingParams, spec_for
 from jaxspec.models import eagle3
@@ -258,8 +260,19 @@ def _draft_arguments(model: Model, prepared: "_Prepared"):
 
 def _prepare(model: Model, prompt, *, draft_params=None, method=None, num_draft_tokens=4, ngram_max=3,
              ngram_min=1, exit_layer=None, draft_sampling=None, max_new_tokens, temperature, top_k,
-             top_p, min_p, repetition_penalty, seed, chat, stop, stop_token_ids, ignore_eos) -> _Prepared:
+             top_p, min_p, repetition_penalty, seed, chat, stop, stop_token_ids, ignore_eos,
+             kv_format=None, attention="auto") -> _Prepared:
     cfg = model.config
+    attention = Attention.parse(attention)
+    if attention is not Attention.AUTO:
+        resolve_attention(attention)  # "pallas" off a GPU: a named error now, not at trace time
+    if kv_format is not None:
+        kv_format = KVFormat.parse(kv_format)
+    if (kv_format is not None or attention is not Attention.AUTO) and not isinstance(cfg, ModelConfig):
+        raise InvalidRequestError(
+            f"kv_format and attention apply to Llama-family trunks; this model is {type(cfg).__name__}")
+    if kv_format is not None:
+        kv_format.check(cfg)
     _check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     sampler = spec_for(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                        repetition_penalty=repetition_penalty)
@@ -323,6 +336,8 @@ def _prepare(model: Model, prompt, *, draft_params=None, method=None, num_draft_
         stop_token_ids=tuple(sorted(stop_ids)),
         stop_sequences=tuple(stop_sequences),
         proposer=proposer,
+        kv_format=kv_format,
+        attention=attention.value,
     )
     return _Prepared(rows=rows, request=request, spec=spec, draft=draft, method=method,
                      stop_strings=stop_strings)
@@ -415,6 +430,8 @@ def generate(
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
+    kv_format: str | tuple[str, str] | None = None,
+    attention: str = "auto",
 ) -> GenerateResult:
     """Generate from `model` as one on-device program (prefill + `lax.while_loop`).
 
@@ -428,6 +445,9 @@ def generate(
     drafts from their own distribution (`draft_sampling="sample"`, the default) or propose
     their argmax (`"argmax"`).
     Rows stop at EOS, a stop token or string, or `max_new_tokens`.
+    KV cache: `kv_format` stores the target's K and V as "f32" (default), "bf16", "q8_0" or
+    "q5_1", one name for both or a (K, V) pair such as ("q8_0", "q5_1"); `attention` is "auto"
+    (the Pallas kernel on GPU, the XLA reference elsewhere), "reference", "pallas" or "interpret".
     """
     prepared = _prepare(model, prompt, draft_params=draft_params, method=method,
                         num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min,
@@ -435,7 +455,7 @@ def generate(
                         max_new_tokens=max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                         seed=seed, chat=chat, stop=stop, stop_token_ids=stop_token_ids,
-                        ignore_eos=ignore_eos)
+                        ignore_eos=ignore_eos, kv_format=kv_format, attention=attention)
     draft = _draft_arguments(model, prepared)
     program, compile_seconds = _compile(loop.run_jit, model.params, draft, prepared.request, spec=prepared.spec)
     loop._prefill_done_at.clear()
@@ -513,4 +533,4 @@ def stream(model: Model, prompt, draft_params: Model | None = None, **kwargs) ->
 
 _GENERATE_DEFAULTS = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                           repetition_penalty=1.0, seed=0, chat=False, stop=None, stop_token_ids=None,
-                          ignore_eos=False)
+                          ignore_eos=False, kv_format=None, attention="auto")

@@ -235,3 +235,21 @@ def test_speculative_greedy_equals_plain_greedy_on_the_quantized_cache(params):
     speculative, rounds = _speculative_greedy(params, prompt, 24, SEED_FORMAT, proposals)
     assert speculative == plain
     assert rounds < 23  # some rounds did commit several tokens
+
+
+def test_generate_speculative_equals_plain_on_a_quantized_cache(params):
+    import jaxspec
+    from jaxspec.api import Model
+
+    model = Model(config=TINY32, params=params)
+    prompt = [list(np.random.RandomState(s).randint(4, TINY32.vocab_size, 6)) * 2 for s in (8, 9)]
+    common = dict(max_new_tokens=20, ignore_eos=True, kv_format=SEED_FORMAT)
+    plain = jaxspec.generate(model, prompt=prompt, method="plain", **common)
+    for method, extra in (("ngram", {}), ("layer_skip", {"exit_layer": 1})):
+        speculative = jaxspec.generate(model, prompt=prompt, method=method, num_draft_tokens=3, **extra, **common)
+        assert speculative.tokens == plain.tokens, method
+    assert speculative.stats.rounds < plain.stats.rounds  # the layer-skip draft got tokens accepted
+    with pytest.raises(UnsupportedModelError, match="head_dim is 16"):
+        jaxspec.generate(Model(config=TINY, params=params), prompt=[1, 2], kv_format="q8_0")
+    with pytest.raises(InvalidRequestError, match="unknown KV format"):
+        jaxspec.generate(model, prompt=[1, 2], kv_format=("q8_0", "q4_k"))

@@ -42,5 +42,5 @@ def forward(params, cfg, tokens, cache, **kwargs):
     return _trunk(cfg)[0](params, cfg, tokens, cache, **kwargs)
 
 
-def create_cache(cfg, batch: int, capacity: int):
-    return _trunk(cfg)[1](cfg, batch, capacity)
+def create_cache(cfg, batch: int, capacity: int, **kwargs):
+    return _trunk(cfg)[1](cfg, batch, capacity, **kwargs)

@@ -24,7 +24,7 @@ from flax import struct
 from jax.experimental import io_callback
 
 from jaxspec import models
-from jaxspec.cache import KVCache
+from jaxspec.cache import KVCache, KVFormat
 from jaxspec.config import ModelConfig
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, repeat_rows, select
 from jaxspec.spec.proposers import Context, Prefill, Proposer, Verified
@@ -45,6 +45,16 @@ class LoopSpec:
     stop_token_ids: tuple[int, ...] = ()  # EOS and user stop tokens
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stops, matched on device
     proposer: Proposer | None = None  # None: plain decoding
+    kv_format: KVFormat | None = None  # the target's K/V storage; None: the trunk's default (float32)
+    attention: str = "auto"  # jaxspec.pallas.Attention: "auto" | "reference" | "pallas" | "interpret"
+
+    @property
+    def cache_options(self) -> dict:  # for models.create_cache: nothing unless asked (other trunks)
+        return {} if self.kv_format is None else {"kv_format": self.kv_format}
+
+    @property
+    def forward_options(self) -> dict:  # for models.forward
+        return {} if self.attention == "auto" else {"attention": self.attention}
 
     @property
     def num_draft(self) -> int:  # k
@@ -176,11 +186,11 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
     """Run the prompts, sample each row's first token, set up the proposer and the loop state."""
     cfg = spec.cfg
     batch, prompt_size = request.prompt.shape
-    cache = models.create_cache(cfg, batch, spec.capacity)
+    cache = models.create_cache(cfg, batch, spec.capacity, **spec.cache_options)
     with jax.named_scope("prefill"):
         logits, hiddens, cache = models.forward(
             params, cfg, request.prompt, cache, logit_indices=(request.prompt_length - 1)[:, None],
-            hidden_layers=spec.hidden_layers)
+            hidden_layers=spec.hidden_layers, **spec.forward_options)
     cache = cache.set_length(request.prompt_length)
     in_prompt = jnp.arange(prompt_size)[None, :] < request.prompt_length[:, None]
     seen = None
@@ -246,7 +256,7 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
     with jax.named_scope("verify"):
         verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, k+1]
         logits, hiddens, cache = models.forward(params, spec.cfg, verify_tokens, state.cache,
-                                                hidden_layers=spec.hidden_layers)
+                                                hidden_layers=spec.hidden_layers, **spec.forward_options)
         if k == 0:
             committed = select(logits[:, 0], request.sampling, spec.sampler, verify_key, state.seen)[:, None]
             accepted = jnp.zeros((batch,), jnp.int32)
