@@ -61,10 +61,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.cache import write_rows
+from jaxspec.cache import KVFormat, write_kv
 from jaxspec.config import resolve_rotary_dim
 from jaxspec.errors import CheckpointError, JaxspecError, UnsupportedModelError
 from jaxspec.models.llama import apply_rope, rms_norm
+from jaxspec.pallas import kv_quant
+from jaxspec.pallas.flash_decode import Attention, attend, quantize_for
+from jaxspec.pallas.kv_quant import Packed
 
 Params = dict[str, Any]
 
@@ -218,8 +221,8 @@ class Qwen35Cache:
     keeps one shape across the loop's rounds).
     """
 
-    keys: tuple[jax.Array, ...]  # per attention layer [B, K, S, H]
-    values: tuple[jax.Array, ...]  # per attention layer [B, K, S, H]
+    keys: tuple[Packed, ...]  # per attention layer [B, K, S, H] (a pytree for a block format)
+    values: tuple[Packed, ...]  # per attention layer [B, K, S, H]
     conv: tuple[jax.Array, ...]  # per DeltaNet layer [B, R, W-1, C]: the conv's last W-1 inputs
     ssm: tuple[jax.Array, ...]  # per DeltaNet layer [B, R, E, X, Y]: the recurrent state
     length: jax.Array  # int32[B]: tokens committed per row
@@ -228,15 +231,21 @@ class Qwen35Cache:
     max_length: int = struct.field(pytree_node=False, default=0)  # S
 
     @classmethod
-    def create(cls, cfg: Qwen35Config, batch: int, capacity: int, dtype=jnp.float32) -> "Qwen35Cache":
+    def create(cls, cfg: Qwen35Config, batch: int, capacity: int, dtype=jnp.float32, *,
+               kv_format: KVFormat | str | tuple[str, str] | None = None) -> "Qwen35Cache":
+        """Zeroed buffers. `kv_format` stores the attention layers' K/V as `KVCache` does (float32
+        by default, bf16, q8_0 / q5_1); the DeltaNet states are always float32."""
+        kv_format = KVFormat.parse(kv_format if kv_format is not None else
+                                   ("bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f32"))
+        kv_format.check(cfg)
         kv_shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         R = cfg.rollback_states
         conv_shape = (batch, R, max(cfg.linear_conv_kernel - 1, 0), cfg.conv_dim)
         ssm_shape = (batch, R, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
         attention, linear = cfg.attention_layers, cfg.linear_layers
         return cls(
-            keys=tuple(jnp.zeros(kv_shape, dtype) for _ in attention),
-            values=tuple(jnp.zeros(kv_shape, dtype) for _ in attention),
+            keys=tuple(kv_quant.zeros(kv_shape, kv_format.keys) for _ in attention),
+            values=tuple(kv_quant.zeros(kv_shape, kv_format.values) for _ in attention),
             conv=tuple(jnp.zeros(conv_shape, jnp.float32) for _ in linear),
             ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in linear),
             length=jnp.zeros((batch,), jnp.int32),
@@ -563,7 +572,8 @@ def _delta_net(layer: Params, cfg: Qwen35Config, h: jax.Array, conv_window: jax.
 
 
 def _gated_attention(layer: Params, cfg: Qwen35Config, h: jax.Array, cos: jax.Array, sin: jax.Array,
-                     keys: jax.Array, values: jax.Array, offsets: jax.Array, batch: int, steps: int):
+                     keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
+                     attention: Attention | str):
     """Gated self-attention of T new tokens per row over that row's cache. h: [D, B*T] (normed)."""
     N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
     query_gate = (layer["q_proj"] @ h).reshape(N, 2, H, batch, steps)
@@ -573,18 +583,15 @@ def _gated_attention(layer: Params, cfg: Qwen35Config, h: jax.Array, cos: jax.Ar
     q = apply_rope(rms_norm(q, layer["q_norm"], cfg.norm_eps, axis=1), cos, sin, cfg.rotary_dim)
     k = apply_rope(rms_norm(k, layer["k_norm"], cfg.norm_eps, axis=1), cos, sin, cfg.rotary_dim)
 
-    keys = write_rows(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets)  # [B, K, S, H]
-    values = write_rows(values, jnp.transpose(v, (2, 3, 0, 1)), offsets)
-
-    q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 0, 1, 4, 2)).reshape(batch, K, G * steps, H)
-    scores = jnp.einsum("BKQH,BKSH->BKQS", q * (1.0 / math.sqrt(H)), keys)
-    slot = offsets[:, None] + jnp.arange(steps)[None, :]  # [B, T]
-    visible = jnp.arange(keys.shape[2])[None, None, :] <= jnp.tile(slot, (1, G))[:, :, None]  # [B, G*T, S]
-    scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values).reshape(batch, K, G, steps, H)
-    out = jnp.transpose(out, (1, 2, 4, 0, 3)).reshape(N * H, batch * steps)  # [N*H, B*T]
-    out = out * jax.nn.sigmoid(gate.reshape(N * H, batch * steps))
+    # As llama.py: written at each row's offset (quantized on the way in for a block format), then
+    # read back through the one attention dispatch (Pallas kernel or XLA reference).
+    quantize = quantize_for(attention, H, keys.shape[2])
+    keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
+    values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
+    q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 4, 0, 1, 2))  # [B, T, K, G, H]
+    out = attend(q, keys, values, offsets, attention=attention)  # [B, T, K, G, H]
+    out = jnp.transpose(out, (2, 3, 4, 0, 1)).reshape(N * H, batch * steps)  # [N*H, B*T]
+    out = out * jax.nn.sigmoid(gate.reshape(N * H, batch * steps))  # the output gate, per head dim
     return layer["o_proj"] @ out, keys, values
 
 
@@ -616,6 +623,7 @@ def forward(
     logit_indices: jax.Array | None = None,
     hidden_layers: tuple[int, ...] = (),
     delta_rule: DeltaRule | None = None,
+    attention: Attention | str = Attention.AUTO,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], Qwen35Cache]:
     """Run T new tokens per row through the hybrid trunk (the `jaxspec.models` contract).
 
@@ -623,8 +631,9 @@ def forward(
     logit_indices int32[B, P] picks which positions get logits (default all T); hidden_layers
     returns the residual stream after those layers (-1: the embeddings), each [B, T, D].
     delta_rule: the form of the delta rule; default recurrent for T <= MAX_RECORDED_STEPS (every
-    state recorded), chunked above. The cache comes back with K/V written and the DeltaNet
-    states pending, `length` unchanged: commit with `advance` / `set_length`.
+    state recorded), chunked above. attention: the attention layers' path, as in llama.py
+    (Pallas kernel on GPU, XLA reference elsewhere). The cache comes back with K/V written and
+    the DeltaNet states pending, `length` unchanged: commit with `advance` / `set_length`.
     """
     _check_params(params, cfg)
     batch, steps = tokens.shape
@@ -645,7 +654,7 @@ def forward(
             if kind is LayerType.FULL_ATTENTION:
                 slot = len(new_keys)
                 mixed, k_buf, v_buf = _gated_attention(layer, cfg, x, cos, sin, cache.keys[slot],
-                                                       cache.values[slot], offsets, batch, steps)
+                                                       cache.values[slot], offsets, batch, steps, attention)
                 new_keys.append(k_buf)
                 new_values.append(v_buf)
             else:
@@ -728,30 +737,29 @@ def param_axes(params: Params) -> Params:
 def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Params:
     """Random params of the right shapes (tests and benchmarks of untrained shapes).
 
-    Decays are drawn so the recurrent state keeps a memory over tens of tokens (A in [0.05, 0.5]),
-    which a wrong rollback would show in the output.
+    Norm multipliers are 1 + noise, decay rates A in [0.05, 0.5] so the recurrent state keeps a
+    memory over tens of tokens (which a wrong rollback would show in the output). All draws come
+    from one normal and one uniform call, so building params costs two RNG programs, not 40.
     """
-    keys = iter(jax.random.split(key, 16 * cfg.num_layers + 2))
-
-    def normal(*shape):
-        return scale * jax.random.normal(next(keys), shape, jnp.float32)
-
-    layers = []
-    for kind in cfg.layer_types:
-        layer = {name: normal(*shape) for name, shape in layer_shapes(cfg, kind).items()}
+    shapes = jax.tree.leaves(param_shapes(cfg), is_leaf=lambda leaf: isinstance(leaf, tuple))
+    normal_key, uniform_key = jax.random.split(key)
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = np.asarray(jax.random.normal(normal_key, (sum(sizes),), jnp.float32)) * scale
+    uniform = np.asarray(jax.random.uniform(uniform_key, (len(cfg.linear_layers), cfg.linear_num_value_heads),
+                                            minval=0.05, maxval=0.5))
+    pieces = iter(np.split(flat, np.cumsum(sizes)[:-1]))
+    params = jax.tree.map(lambda shape: next(pieces).reshape(shape), param_shapes(cfg),
+                          is_leaf=lambda leaf: isinstance(leaf, tuple))
+    params["final_norm"] = 1.0 + params["final_norm"]
+    for index, layer in zip(cfg.linear_layers, uniform):
+        params["layers"][index]["conv_weight"] *= 0.3 / scale
+        params["layers"][index]["A_log"] = np.log(layer)
+        params["layers"][index]["dt_bias"] = 1.0 + params["layers"][index]["dt_bias"]
+    for layer in params["layers"]:
         for norm in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "out_norm"):
             if norm in layer:
                 layer[norm] = 1.0 + layer[norm]
-        if kind is LayerType.LINEAR_ATTENTION:
-            E = cfg.linear_num_value_heads
-            layer["conv_weight"] = layer["conv_weight"] / scale * 0.3
-            layer["A_log"] = jnp.log(jax.random.uniform(next(keys), (E,), minval=0.05, maxval=0.5))
-            layer["dt_bias"] = jnp.ones((E,)) + normal(E)
-        layers.append(layer)
-    params = {"embed": normal(cfg.vocab_size, cfg.dim), "layers": layers, "final_norm": 1.0 + normal(cfg.dim)}
-    if not cfg.tie_embeddings:
-        params["lm_head"] = normal(cfg.vocab_size, cfg.dim)
-    return params
+    return jax.tree.map(jnp.asarray, params)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,602 @@
+"""The Qwen3.5 hybrid trunk: delta-rule forms, HF parity, rollback of recurrent state, exactness.
+
+Parity is against transformers' `qwen3_5` text model on small random checkpoints written here
+(every weight drawn at random, so a swapped tensor cannot hide behind ones or zeros). The
+speculative tests compare against the plain loop on the same hybrid, with a proposer whose
+drafts are made right or wrong on purpose, so rounds that reject at the first draft, rounds that
+accept part and rounds that accept everything all happen and the committed recurrent state is
+checked by the tokens that follow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+import jaxspec
+from jaxspec import models
+from jaxspec.checkpoints import load_checkpoint
+from jaxspec.errors import CheckpointError, UnsupportedModelError
+from jaxspec.models import qwen35
+from jaxspec.models.qwen35 import DeltaRule, LayerType, Qwen35Cache, Qwen35Config, StateRollbackError
+from jaxspec.sampling import SamplingParams, distribution, spec_for
+from jaxspec.spec import loop
+from jaxspec.spec.proposers import Proposal
+from tests.conftest import assert_same_greedy, max_relative_error
+from tests.test_spec_sampling import PROMPT, SIGNIFICANCE, chi_square_p_value, sampled_joint
+
+LIN, FULL = LayerType.LINEAR_ATTENTION, LayerType.FULL_ATTENTION
+
+forward = jax.jit(qwen35.forward, static_argnums=1, static_argnames=("delta_rule", "hidden_layers"))
+
+
+@jax.jit
+def _commit(cache, target):
+    return cache.set_length(target)
+
+
+def _step_fn(cfg):
+    @jax.jit
+    def step(params, cache, token):  # one token per row, committed
+        logits, _, cache = qwen35.forward(params, cfg, token[:, None], cache)
+        return logits[:, 0], cache.advance(jnp.ones_like(cache.length))
+    return step
+
+
+# ----------------------------------------------------------------------------------------------
+# The two forms of the delta rule
+# ----------------------------------------------------------------------------------------------
+
+
+def _delta_inputs(batch=2, steps=37, heads=3, dk=4, dv=5, seed=0):
+    rng = np.random.RandomState(seed)
+
+    def unit(x):
+        return x / np.sqrt((x * x).sum(-1, keepdims=True))
+
+    arrays = (unit(rng.randn(batch, steps, heads, dk)) * dk ** -0.5, unit(rng.randn(batch, steps, heads, dk)),
+              rng.randn(batch, steps, heads, dv), -rng.rand(batch, steps, heads) * 0.3,
+              rng.rand(batch, steps, heads), rng.randn(batch, heads, dk, dv))
+    return [jnp.asarray(a, jnp.float32) for a in arrays]
+
+
+def test_recurrent_step_by_hand():
+    """One head, dk = dv = 1: S' = S e^g + beta k (v - S e^g k), o = S' q."""
+    q, k, v, g, beta, s = (jnp.full((1, 1, 1, 1), 0.5), jnp.full((1, 1, 1, 1), 1.0), jnp.full((1, 1, 1, 1), 3.0),
+                           jnp.full((1, 1, 1), np.log(0.5)), jnp.full((1, 1, 1), 0.25), jnp.full((1, 1, 1, 1), 2.0))
+    out, states = qwen35.recurrent_delta_rule(q, k, v, g, beta, s)
+    # decayed S = 1; memory = 1; delta = 0.25 * (3 - 1) = 0.5; S' = 1.5; o = 0.75
+    np.testing.assert_allclose(states[0, 0, 0], [[1.5]], rtol=1e-6)
+    np.testing.assert_allclose(out[0, 0, 0], [0.75], rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunked_form_equals_recurrent_form(chunk_size):
+    q, k, v, g, beta, s = _delta_inputs()
+    out, states = jax.jit(qwen35.recurrent_delta_rule)(q, k, v, g, beta, s)
+    chunk_out, starts, final = jax.jit(qwen35.chunked_delta_rule, static_argnames="chunk_size")(
+        q, k, v, g, beta, s, chunk_size=chunk_size)
+    np.testing.assert_allclose(chunk_out, out, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(final, states[:, -1], atol=2e-5, rtol=1e-4)
+    size = min(chunk_size, q.shape[1])
+    np.testing.assert_allclose(starts[:, 0], s)
+    for c in range(1, starts.shape[1]):  # chunk c starts from the state after c * size tokens
+        np.testing.assert_allclose(starts[:, c], states[:, c * size - 1], atol=2e-5, rtol=1e-4)
+
+
+def test_unit_lower_inverse_is_a_triangular_solve():
+    rng = np.random.RandomState(3)
+    for size in (1, 2, 7, 64):
+        lower = np.tril(rng.randn(3, size, size) * 0.5, -1).astype(np.float32)
+        expected = np.linalg.inv(np.eye(size) + lower.astype(np.float64))
+        assert max_relative_error(jax.jit(qwen35.unit_lower_inverse)(jnp.asarray(lower)), expected) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity with transformers
+# ----------------------------------------------------------------------------------------------
+
+HF_COMMON = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=12,
+                 max_position_embeddings=256, rms_norm_eps=1e-5, linear_conv_kernel_dim=4)
+HF_CASES = {
+    # HF's default pattern (three DeltaNet layers, then attention), Qwen3.5's partial RoPE (1/4),
+    # two value heads per key head, tied embeddings.
+    "interval4-tied-rope0.25": dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                                    tie_word_embeddings=True,
+                                    rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                         partial_rotary_factor=0.25)),
+    # Attention first, then DeltaNet; half-width RoPE, one value head per key head, untied.
+    "attention-first-untied-rope0.5": dict(num_hidden_layers=3, layer_types=["full_attention", "linear_attention",
+                                                                           "linear_attention"],
+                                           linear_num_key_heads=2, linear_num_value_heads=2,
+                                           tie_word_embeddings=False,
+                                           rope_parameters=dict(rope_type="default", rope_theta=50000.0,
+                                                                partial_rotary_factor=0.5)),
+}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every weight random, in ranges a trained Qwen3.5 has (decay rates A in (0.05, 2))."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(0.05, 2.0, generator=generator).log())
+            elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=generator))
+            elif "norm" in name:  # zero-centred RMSNorms: the multiplier is 1 + w
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+            elif "conv1d" in name:
+                param.copy_(0.4 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.12 * torch.randn(param.shape, generator=generator))
+
+
+def _write_hf(directory: pathlib.Path, case: str, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    hf_model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**HF_COMMON, **HF_CASES[case])).eval()
+    _randomize(hf_model, seed)
+    hf_model = hf_model.to(dtype)
+    hf_model.save_pretrained(directory, safe_serialization=True)
+    return hf_model
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CASES))
+def hf_case(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf_model = _write_hf(directory, request.param, seed=len(request.param))
+    ckpt = load_checkpoint(directory)
+    return hf_model, jaxspec.Model(config=ckpt.config, params=ckpt.params)
+
+
+def _hf_logits(hf_model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor(np.asarray(tokens))).logits.float().numpy()
+
+
+def test_config_reads_the_layer_pattern_and_rope_width(hf_case):
+    hf_model, model = hf_case
+    cfg = model.config
+    assert [t.value for t in cfg.layer_types] == hf_model.config.layer_types
+    assert cfg.rotary_dim == int(cfg.head_dim * hf_model.config.rope_parameters["partial_rotary_factor"])
+    assert cfg.tie_embeddings == hf_model.config.tie_word_embeddings
+    assert ("lm_head" in model.params) != cfg.tie_embeddings
+
+
+def _prefill(model, tokens, cache):
+    """The 80-token chunked forward every parity and cache test shares (one program per case)."""
+    layers = (-1, 0, model.config.num_layers - 2)
+    return forward(model.params, model.config, jnp.asarray(tokens, jnp.int32), cache, hidden_layers=layers)
+
+
+def test_chunked_prefill_logits_and_hidden_states_match_transformers(hf_case):
+    """80 tokens: the chunked form over two chunks (64 + 16), batch 2."""
+    hf_model, model = hf_case
+    tokens = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 80))
+    logits, hiddens, _ = _prefill(model, tokens, Qwen35Cache.create(model.config, 2, 96))
+    error = max_relative_error(logits, _hf_logits(hf_model, tokens))
+    assert error <= 1e-4, f"max relative logits error {error:.2e}"
+    with torch.no_grad():
+        reference = hf_model(torch.tensor(tokens), output_hidden_states=True).hidden_states
+    for ours, layer in zip(hiddens, (-1, 0, model.config.num_layers - 2)):
+        assert max_relative_error(ours, reference[layer + 1].numpy()) <= 1e-4, layer
+
+
+def test_step_by_step_decode_and_32_greedy_tokens_match_transformers(hf_case):
+    """Token-at-a-time (the recurrent form, T = 1): the prompt, then 32 greedy tokens; logits at
+    every step against HF's full-sequence forward, tokens against HF's own greedy generate."""
+    hf_model, model = hf_case
+    cfg = model.config
+    prompt = np.random.RandomState(2).randint(0, cfg.vocab_size, (11,)).tolist()
+    with torch.no_grad():
+        reference = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                      max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    step = _step_fn(cfg)
+    cache = Qwen35Cache.create(cfg, 1, 64)
+    ours, step_logits = [], []
+    token = prompt[0]
+    for position in range(len(prompt) + 32 - 1):
+        logits, cache = step(model.params, cache, jnp.asarray([token], jnp.int32))
+        step_logits.append(np.asarray(logits[0]))
+        if position + 1 < len(prompt):
+            token = prompt[position + 1]
+        else:
+            token = int(np.argmax(step_logits[-1]))
+            ours.append(token)
+    full = _hf_logits(hf_model, [prompt + reference])[0]
+    error = max_relative_error(np.stack(step_logits), full[: len(step_logits)])
+    assert error <= 1e-4, f"max relative logits error {error:.2e}"
+    assert_same_greedy(ours, reference, lambda i: full[len(prompt) - 1 + i])
+
+
+def test_bf16_checkpoint_and_multimodal_layout_load(tmp_path):
+    """bf16 safetensors load exactly (to float32, norms + 1); a `qwen3_5` (vision-language) dir
+    with the text trunk under model.language_model.* loads the same params."""
+    case = "interval4-tied-rope0.25"
+    hf_model = _write_hf(tmp_path / "bf16", case, dtype=torch.bfloat16, seed=5)
+    ckpt = load_checkpoint(tmp_path / "bf16")
+    state = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
+    np.testing.assert_array_equal(ckpt.params["embed"], state["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(ckpt.params["final_norm"], 1.0 + state["model.norm.weight"])
+    layer = ckpt.params["layers"][0]
+    np.testing.assert_array_equal(layer["A_log"], state["model.layers.0.linear_attn.A_log"])
+    np.testing.assert_array_equal(layer["conv_weight"], state["model.layers.0.linear_attn.conv1d.weight"][:, 0])
+    np.testing.assert_array_equal(layer["out_norm"], state["model.layers.0.linear_attn.norm.weight"])
+    np.testing.assert_array_equal(ckpt.params["layers"][3]["q_norm"], 1.0 + state["model.layers.3.self_attn.q_norm.weight"])
+
+    multimodal = tmp_path / "vl"
+    multimodal.mkdir()
+    tensors = load_file(tmp_path / "bf16" / "model.safetensors")
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = np.zeros((2, 2), np.float32)  # ignored
+    save_file(renamed, multimodal / "model.safetensors")
+    text_config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    config = {"model_type": "qwen3_5", "tie_word_embeddings": text_config["tie_word_embeddings"],
+              "text_config": {**text_config, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1}}
+    (multimodal / "config.json").write_text(json.dumps(config))
+    vl = load_checkpoint(multimodal)
+    assert vl.config == ckpt.config
+    jax.tree.map(np.testing.assert_array_equal, vl.params, ckpt.params)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache: verify-then-select, ragged prefill, rollback through the ring
+# ----------------------------------------------------------------------------------------------
+
+
+CACHE_CASE = "attention-first-untied-rope0.5"  # the cache tests run on one case
+
+
+def _cache_case(hf_case):
+    hf_model, model = hf_case
+    if [t.value for t in model.config.layer_types] != HF_CASES[CACHE_CASE]["layer_types"]:
+        pytest.skip(f"cache behaviour is checked once, on {CACHE_CASE}")
+    return hf_model, model
+
+
+def test_verify_forward_then_advance_selects_each_rows_state(hf_case):
+    """After a prefill, a T = 5 forward, then advance by n per row (0, 2, 5 ...): the next step's
+    logits equal HF's on the committed sequence, so each row kept exactly its state after n."""
+    hf_model, model = _cache_case(hf_case)
+    cfg = model.config
+    sequence = np.random.RandomState(4).randint(0, cfg.vocab_size, (2, 80))
+    full = _hf_logits(hf_model, sequence)
+    prefix = 12
+    cache = Qwen35Cache.create(cfg, 2, 96)
+    _, _, cache = _prefill(model, sequence, cache)
+    cache = _commit(cache, jnp.full((2,), prefix, jnp.int32))
+    verify_logits, _, verified = forward(model.params, cfg, jnp.asarray(sequence[:, prefix:prefix + 5], jnp.int32), cache)
+    assert max_relative_error(verify_logits, full[:, prefix:prefix + 5]) <= 1e-4
+    assert isinstance(verified.pending, qwen35.RecordedSteps)
+    for accepted in ([0, 5], [2, 3], [5, 1]):
+        lengths = prefix + np.asarray(accepted)
+        committed = _commit(verified, jnp.asarray(lengths, jnp.int32))  # = verified.advance(accepted)
+        assert committed.pending is None
+        # The token after the committed ones, run from the selected state, for every row.
+        next_tokens = sequence[np.arange(2), lengths][:, None]
+        logits, _, _ = forward(model.params, cfg, jnp.asarray(next_tokens, jnp.int32), committed)
+        assert max_relative_error(logits[:, 0], full[np.arange(2), lengths]) <= 1e-4, accepted
+    # A commit the cache cannot serve, inside a jitted program: that row's state turns to NaN.
+    bad = _commit(verified, jnp.asarray([prefix - 1, prefix + 2], jnp.int32))
+    logits, _, _ = forward(model.params, cfg, jnp.asarray(sequence[:, :1], jnp.int32), bad)
+    assert np.isnan(logits[0]).all() and np.isfinite(logits[1]).all()
+
+
+def test_ragged_chunked_prefill_commits_each_rows_own_state(hf_case):
+    """Right-padded prompts of 80 and 37 tokens in one chunked forward; after set_length each row
+    continues as if it had run alone (padding never reaches its state)."""
+    hf_model, model = _cache_case(hf_case)
+    cfg = model.config
+    rng = np.random.RandomState(5)
+    tokens = rng.randint(0, cfg.vocab_size, (2, 80))
+    lengths = np.array([80, 37])
+    cache = Qwen35Cache.create(cfg, 2, 96)
+    _, _, cache = _prefill(model, tokens, cache)
+    assert isinstance(cache.pending, qwen35.ChunkedSteps)
+    cache = _commit(cache, jnp.asarray(lengths, jnp.int32))
+    following = rng.randint(0, cfg.vocab_size, (2,))
+    logits, _, _ = forward(model.params, cfg, jnp.asarray(following[:, None], jnp.int32), cache)
+    for row in range(2):
+        sequence = list(tokens[row, :lengths[row]]) + [following[row]]
+        expected = _hf_logits(hf_model, [sequence])[0, -1]
+        assert max_relative_error(logits[row, 0], expected) <= 1e-4
+
+
+
+
+def test_rollback_within_the_ring_restores_the_state(hf_case):
+    _, model = _cache_case(hf_case)
+    cfg = model.config
+    step = _step_fn(cfg)
+    tokens = np.random.RandomState(6).randint(0, cfg.vocab_size, (20,))
+    cache = Qwen35Cache.create(cfg, 1, 64)
+    seen = []
+    for token in tokens:
+        logits, cache = step(model.params, cache, jnp.asarray([token], jnp.int32))
+        seen.append(np.asarray(logits[0]))
+    for back in range(1, cfg.rollback_states):  # up to R - 1 positions back, no forward between
+        rolled = cache.set_length(cache.length - back)
+        position = len(tokens) - back
+        logits, _ = step(model.params, rolled, jnp.asarray([tokens[position]], jnp.int32))
+        np.testing.assert_allclose(logits[0], seen[position], rtol=1e-5, atol=1e-5)
+
+
+def test_rollback_past_the_ring_raises(hf_case):
+    _, model = _cache_case(hf_case)
+    cfg = dataclasses.replace(model.config, rollback_states=3)
+    step = _step_fn(cfg)
+    cache = Qwen35Cache.create(cfg, 2, 32)
+    for token in range(6):
+        _, cache = step(model.params, cache, jnp.asarray([token, token], jnp.int32))
+    cache.set_length(cache.length - 2)  # R - 1 back: fine
+    with pytest.raises(StateRollbackError, match="rollback_states=3"):
+        cache.set_length(jnp.asarray([6, 3], jnp.int32))
+    with pytest.raises(StateRollbackError, match="length 7"):
+        cache.set_length(cache.length + 1)  # forward with no forward pass: the state is unknown
+    # Inside a jitted program the same check runs (only a failing program calls back to the host).
+    with pytest.raises(Exception, match="rollback_states=3"):
+        jax.block_until_ready(_commit(cache, jnp.asarray([6, 2], jnp.int32)).length)
+    np.testing.assert_array_equal(_commit(cache, jnp.asarray([6, 4], jnp.int32)).length, [6, 4])
+
+
+# ----------------------------------------------------------------------------------------------
+# Speculative decoding on the hybrid: exact under greedy
+# ----------------------------------------------------------------------------------------------
+
+SPEC_CFG = Qwen35Config(vocab_size=128, dim=64, num_layers=2, layer_types=(LIN, FULL), ffn_dim=96, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rotary_dim=4, rope_theta=10000.0, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                        max_position_embeddings=256)
+# Ragged lengths 13, 6 and 16 with repeats for prompt lookup (bucket 16: generate's prefill runs
+# the recurrent form; the scripted test below pads to 32, the chunked form).
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
+    [40, 41, 42, 40, 41, 42],
+    [9, 8, 7, 6, 5, 4, 30, 31, 9, 8, 7, 6, 5, 4, 30, 31],
+]
+
+
+NEW_TOKENS = 30
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return jaxspec.Model(config=SPEC_CFG, params=qwen35.init_params(SPEC_CFG, jax.random.PRNGKey(0), 0.25))
+
+
+@pytest.fixture(scope="module")
+def reference(hybrid):
+    """Each prompt's greedy continuation decoded token by token by the trunk alone (no loop):
+    all rows in lockstep, each feeding its prompt and then its own argmax."""
+    step = _step_fn(SPEC_CFG)
+    cache = Qwen35Cache.create(SPEC_CFG, len(PROMPTS), 64)
+    sequences = [list(prompt) for prompt in PROMPTS]
+    for position in range(max(map(len, PROMPTS)) + NEW_TOKENS - 1):
+        tokens = [seq[min(position, len(seq) - 1)] for seq in sequences]
+        logits, cache = step(hybrid.params, cache, jnp.asarray(tokens, jnp.int32))
+        for row, seq in enumerate(sequences):
+            if position == len(seq) - 1 and len(seq) < len(PROMPTS[row]) + NEW_TOKENS:
+                seq.append(int(jnp.argmax(logits[row])))
+    return [seq[len(prompt):] for seq, prompt in zip(sequences, PROMPTS)]
+
+
+def _assert_exact(model, prompts, result, reference):
+    def logits_at(prompt, generated):
+        def at(step):
+            sequence = jnp.asarray([prompt + generated[:step]], jnp.int32)
+            logits, _, _ = forward(model.params, model.config, sequence, Qwen35Cache.create(model.config, 1, 96))
+            return logits[0, -1]
+        return at
+
+    for row, prompt in enumerate(prompts):
+        assert_same_greedy(result.tokens[row], reference[row], logits_at(prompt, reference[row]))
+    assert result.finish_reason == ["length"] * len(prompts)
+
+
+def test_plain_loop_equals_token_by_token_greedy(hybrid, reference):
+    result = jaxspec.generate(hybrid, None, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    _assert_exact(hybrid, PROMPTS, result, reference)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("method", ["ngram", "layer_skip"])
+def test_speculative_greedy_equals_plain_greedy_ragged(hybrid, reference, method, k):
+    result = jaxspec.generate(hybrid, prompt=PROMPTS, method=method, num_draft_tokens=k,
+                              max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    _assert_exact(hybrid, PROMPTS, result, reference)
+    stats = result.stats
+    assert stats.method == method and 0 <= stats.accepted <= stats.proposed <= k * stats.rounds
+    if method == "layer_skip":  # the draft (one DeltaNet layer) drafts every round
+        assert stats.proposed == k * stats.rounds
+
+
+@pytest.mark.parametrize("method, k", [("ngram", 4), ("layer_skip", 1), ("layer_skip", 4)])
+def test_speculative_greedy_equals_plain_greedy_batch_of_one(hybrid, reference, method, k):
+    result = jaxspec.generate(hybrid, prompt=PROMPTS[0], method=method, num_draft_tokens=k,
+                              max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    _assert_exact(hybrid, PROMPTS[:1], result, reference)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScriptedDrafts:
+    """Drafts the true greedy continuation (from `draft_params`: each row's prompt + plain greedy
+    output), corrupted by a fixed schedule over rounds: all right (the round accepts all k), the
+    first one wrong (rejects at once), the first two right, then wrong (accepts 2 of k)."""
+
+    num_draft: int
+    name: str = "scripted"
+    target_hidden_layers: tuple[int, ...] = ()
+    schedule: tuple[int, ...] = (4, 0, 2)  # drafts right per round, cycled
+
+    def init(self, draft_params, *args, **kwargs):  # works with either init signature
+        return jnp.zeros((draft_params.shape[0],), jnp.int32)
+
+    def update(self, draft_params, state, *args, **kwargs):
+        return state + 1
+
+    def propose(self, draft_params, round_index, context):
+        k = self.num_draft
+        at = jnp.clip(context.length[:, None] + jnp.arange(k)[None, :], 0, draft_params.shape[1] - 1)
+        truth = jnp.take_along_axis(draft_params, at, axis=1)
+        right = jnp.asarray(self.schedule, jnp.int32)[round_index % len(self.schedule)]
+        drafts = jnp.where(jnp.arange(k)[None, :] < right[:, None], truth, (truth + 1) % SPEC_CFG.vocab_size)
+        proposal = Proposal(drafts=drafts, num_proposed=jnp.full_like(right, k))
+        return proposal, round_index
+
+
+def test_rounds_rejecting_first_partial_and_all_keep_the_exact_state(hybrid, reference):
+    batch, k, new = len(PROMPTS), 4, NEW_TOKENS
+    capacity = 64
+    truth = np.zeros((batch, capacity), np.int32)
+    prompt = np.zeros((batch, 32), np.int32)
+    for row, ids in enumerate(PROMPTS):
+        full = ids + reference[row]
+        truth[row, :len(full)] = full
+        prompt[row, :len(ids)] = ids
+    spec = loop.LoopSpec(cfg=SPEC_CFG, capacity=capacity, sampler=spec_for(temperature=0.0),
+                         proposer=ScriptedDrafts(num_draft=k))
+    request = loop.Request(prompt=jnp.asarray(prompt), prompt_length=jnp.asarray([len(p) for p in PROMPTS], jnp.int32),
+                           max_new_tokens=jnp.full((batch,), new, jnp.int32),
+                           sampling=SamplingParams.create(batch, temperature=0.0), key=jax.random.PRNGKey(0))
+    state = loop.run_jit(hybrid.params, jnp.asarray(truth), request, spec=spec)
+    tokens = np.asarray(state.tokens)
+    for row, ids in enumerate(PROMPTS):
+        assert tokens[row, len(ids): len(ids) + new].tolist() == reference[row]
+    stats = jax.device_get(state.stats)
+    # Rounds accept as scripted (4, then 0, then 2, cycled), except each row's last round, whose
+    # drafts run past the known continuation.
+    schedule = np.asarray(ScriptedDrafts(num_draft=k).schedule)
+    for row in range(batch):
+        scripted = schedule[np.arange(stats.rounds[row] - 1) % len(schedule)]
+        assert len(scripted) >= 6  # every kind of round happened, twice
+        assert scripted.sum() <= stats.accepted[row] <= scripted.sum() + k
+        assert 0 <= stats.multi_token_rounds[row] - np.count_nonzero(scripted) <= 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Speculative sampling on the hybrid: lossless
+# ----------------------------------------------------------------------------------------------
+
+SMALL_HYBRID = Qwen35Config(vocab_size=12, dim=32, num_layers=2, layer_types=(LIN, FULL), ffn_dim=48, num_heads=2,
+                            num_kv_heads=1, head_dim=16, rotary_dim=4, rope_theta=10000.0, linear_num_key_heads=1,
+                            linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                            max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def small_hybrid():
+    return jaxspec.Model(config=SMALL_HYBRID, params=qwen35.init_params(SMALL_HYBRID, jax.random.PRNGKey(0), 0.5))
+
+
+def exact_joint(model, settings) -> np.ndarray:
+    """p(t1, t2, t3 | PROMPT) under the processed distribution, by enumeration: [V, V, V].
+
+    Every continuation in one forward: sequences right-padded to PROMPT + 2, logits taken at
+    each one's last token (the trunk is causal, so padding after it changes nothing).
+    """
+    V = model.config.vocab_size
+    spec = spec_for(**settings)
+    sequences = [PROMPT] + [PROMPT + [a] for a in range(V)] + [PROMPT + [a, b] for a in range(V) for b in range(V)]
+    width = len(PROMPT) + 2
+    tokens = np.zeros((len(sequences), width), np.int32)
+    seen = np.zeros((len(sequences), V), bool)
+    for i, sequence in enumerate(sequences):
+        tokens[i, : len(sequence)] = sequence
+        seen[i, sequence] = True
+    last = jnp.asarray([[len(s) - 1] for s in sequences], jnp.int32)
+    logits, _, _ = forward(model.params, model.config, jnp.asarray(tokens),
+                           Qwen35Cache.create(model.config, len(sequences), 16), logit_indices=last)
+    params = SamplingParams.create(len(sequences), **settings)
+    probs = np.asarray(distribution(logits[:, 0], params, spec, jnp.asarray(seen)), np.float64)
+    p1, p2, p3 = probs[0], probs[1: 1 + V], probs[1 + V:].reshape(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def test_speculative_sampling_on_the_hybrid_is_lossless(small_hybrid):
+    """Layer-skip on the hybrid: drafts sampled from a one-DeltaNet-layer draft whose state is
+    rolled back every round, verified by rejection sampling; 20k samples against enumeration."""
+    settings = dict(temperature=1.0, top_k=8)
+    counts, stats = sampled_joint(small_hybrid, None, settings, method="layer_skip", exit_layer=1)
+    p_value = chi_square_p_value(counts, exact_joint(small_hybrid, settings))
+    assert p_value > SIGNIFICANCE, f"speculative samples differ from the target's distribution: p = {p_value:.2e}"
+    assert stats.rounds > 0 and 0 < stats.accepted <= stats.proposed
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------
+
+TEXT_CONFIG = dict(model_type="qwen3_5_text", vocab_size=64, hidden_size=32, intermediate_size=48,
+                   num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                   linear_value_head_dim=8)
+
+
+def test_config_defaults_follow_transformers():
+    cfg = qwen35.config_from_hf(TEXT_CONFIG)
+    reference = transformers.Qwen3_5TextConfig(**{k: v for k, v in TEXT_CONFIG.items() if k != "model_type"})
+    assert [t.value for t in cfg.layer_types] == reference.layer_types
+    assert cfg.rotary_dim == int(16 * reference.rope_parameters["partial_rotary_factor"]) == 4
+    assert cfg.linear_conv_kernel == reference.linear_conv_kernel_dim
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(layer_types=["linear_attention", "full_attention"]), "layer_types"),
+    (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), r"layer_types\[3\]"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(num_experts=8), "num_experts"),
+    (dict(rope_parameters=dict(rope_type="yarn", factor=4.0)), "rope_type"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads"),
+    (dict(linear_num_key_heads=None), "linear_num_key_heads"),
+])
+def test_bad_configs_name_the_field(change, field):
+    config = {**TEXT_CONFIG, **change}
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(UnsupportedModelError, match=field):
+        qwen35.config_from_hf(config)
+
+
+def test_vision_language_config_needs_its_text_config():
+    with pytest.raises(UnsupportedModelError, match="text_config"):
+        qwen35.config_from_hf({"model_type": "qwen3_5"})
+
+
+def test_config_dataclass_checks_the_layer_pattern():
+    with pytest.raises(UnsupportedModelError, match="layer_types has 1 entries but num_layers is 2"):
+        dataclasses.replace(SPEC_CFG, layer_types=(LIN,))
+    with pytest.raises(UnsupportedModelError, match="rollback_states"):
+        dataclasses.replace(SPEC_CFG, rollback_states=0)
+    # A layer-skip draft is the same config with fewer layers: the pattern is cut to fit.
+    assert dataclasses.replace(SPEC_CFG, num_layers=1).layer_types == (LIN,)
+
+
+@pytest.mark.parametrize("missing, message", [
+    ("model.layers.1.linear_attn.A_log", "'model.layers.1.linear_attn.A_log' .layer 1 is linear_attention"),
+    ("model.layers.0.linear_attn.conv1d.weight", "conv1d.weight"),
+    ("model.layers.3.self_attn.q_norm.weight", "q_norm.weight' .layer 3 is full_attention"),
+])
+def test_missing_tensors_are_named(tmp_path, missing, message):
+    _write_hf(tmp_path, "interval4-tied-rope0.25")
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors[missing]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(tmp_path)
+
+
+def test_params_that_do_not_fit_the_pattern_are_refused(hybrid):
+    swapped = dataclasses.replace(SPEC_CFG, layer_types=(FULL, LIN))
+    with pytest.raises(UnsupportedModelError, match=r"layer 0 lacks .* layer_types\[0\]='full_attention'"):
+        qwen35.forward(hybrid.params, swapped, jnp.zeros((1, 1), jnp.int32), Qwen35Cache.create(swapped, 1, 8))
