@@ -467,15 +467,10 @@ def _versions() -> str:
 
 
 def write_section(path: pathlib.Path, section: str) -> None:
-    """Replace this script's section of RESULTS.md (up to the next `## ` heading), keep the rest."""
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    block = section.rstrip("\n") + "\n\n"
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
+    """Replace this script's section of RESULTS.md, keep the rest."""
+    from results_md import replace_section  # bench/ is on sys.path when a bench script runs
+
+    replace_section(path, SECTION, section)
 
 
 def plot(path: pathlib.Path, summaries, methods, hf_methods, costs, args) -> None:
