@@ -596,6 +596,13 @@ def test_missing_tensors_are_named(tmp_path, missing, message):
         load_checkpoint(tmp_path)
 
 
+def test_kv_formats_apply_to_the_attention_layers():
+    cache = Qwen35Cache.create(SPEC_CFG, 1, 8, kv_format="bf16")
+    assert cache.keys[0].dtype == jnp.bfloat16 and cache.ssm[0].dtype == jnp.float32
+    with pytest.raises(UnsupportedModelError, match="head"):  # a block format must tile H = 16
+        Qwen35Cache.create(SPEC_CFG, 1, 8, kv_format="q8_0")
+
+
 def test_params_that_do_not_fit_the_pattern_are_refused(hybrid):
     swapped = dataclasses.replace(SPEC_CFG, layer_types=(FULL, LIN))
     with pytest.raises(UnsupportedModelError, match=r"layer 0 lacks .* layer_types\[0\]='full_attention'"):
