@@ -4,9 +4,13 @@
 
 Default model (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized to float32), batch 1, 128 greedy
 tokens (`ignore_eos=True`) on 5 Spec-Bench prompts from different categories, chat template on.
-Engines run interleaved (prompt by prompt, side by side) so that drift on a shared machine hits
-them alike; every figure is a median. The result table replaces the
-`## Plain decoding (bench/decode.py)` section of bench/RESULTS.md (other sections are kept).
+Peers: transformers `generate` on the same GGUF in float32 (the reference for token equality)
+and in bfloat16, both greedy, exactly 128 tokens with EOS treated as an ordinary token. Engines
+run interleaved (prompt by prompt, side by side) so that drift on a shared machine hits them
+alike; every figure is a median. On a loaded machine the run is bounded: no new pass after
+--max-seconds, and the bf16 row stops after a call slower than --slow-call. The result table
+replaces the `## Plain decoding (bench/decode.py)` section of bench/RESULTS.md (other sections
+are kept).
 
 Roofline: one decode step reads every weight once (the whole params pytree: 30 layers plus the
 tied embedding as LM head), so tokens/s <= bandwidth / weight bytes. Bandwidth is measured here,
@@ -17,7 +21,6 @@ W float32 [8192, 16384] (W bytes / time).
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
 import os
@@ -112,6 +115,11 @@ class HF:
         import torch
 
         self.torch, self.model, self.name = torch, model.eval(), name
+        # Exactly N tokens, EOS generated like any other token (jaxspec's `ignore_eos`). Not
+        # `min_new_tokens`: that masks EOS's logit, so greedy HF would pick the runner-up wherever
+        # the model ends its answer, and the tokens would no longer be the model's argmax.
+        model.generation_config.eos_token_id = None
+        model.config.eos_token_id = None
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     def _generate(self, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
@@ -124,7 +132,6 @@ class HF:
                 attention_mask=torch.ones_like(input_ids),  # else HF masks pad-id tokens in the prompt
                 do_sample=False,
                 max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
                 pad_token_id=0,
             )
             seconds = time.perf_counter() - start
@@ -341,13 +348,16 @@ def main(argv: list[str] | None = None) -> int:
 
         transformers.logging.set_verbosity_error()
         path = checkpoints.default_model_path()
-        hf32 = HF(transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32), "HF f32")
+
+        def hf_load(dtype):
+            return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+
+        hf32 = HF(hf_load(torch.float32), "HF f32")
         engines["HF transformers f32"] = lambda i: hf32.run(ids[i], args.max_new_tokens)
         weight_bytes["HF transformers f32"] = hf32.weight_bytes
         hf32._generate(ids[0], 4)  # warm-up
         if args.bf16_repeats > 0:
-            hf16 = HF(copy.deepcopy(hf32.model).to(torch.bfloat16), "HF bf16")
+            hf16 = HF(hf_load(torch.bfloat16), "HF bf16")  # keeps RoPE buffers float32, unlike .to()
             engines["HF transformers bf16"] = lambda i: hf16.run(ids[i], args.max_new_tokens)
             weight_bytes["HF transformers bf16"] = hf16.weight_bytes
             hf16._generate(ids[0], 4)
