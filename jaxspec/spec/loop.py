@@ -297,9 +297,9 @@ def _mark_prefill_done(_):
 def run(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
     """Prefill and decode to completion, on device, as one program."""
     state = prefill(params, draft_params, request, spec)
-    # One ordered host callback after prefill, so stats can split prefill and decode time
-    # without splitting the program in two.
-    io_callback(_mark_prefill_done, None, state.num_generated, ordered=True)
+    # One ordered host callback after prefill, so stats can split prefill and decode time; it
+    # takes `pending`, which depends on the prefill's logits, so it fires only once they exist.
+    io_callback(_mark_prefill_done, None, state.pending, ordered=True)
     return jax.lax.while_loop(
         lambda s: jnp.any(s.running),
         lambda s: round_step(params, draft_params, s, request, spec),
