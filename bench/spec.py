@@ -42,7 +42,6 @@ import json
 import math
 import pathlib
 import platform
-import re
 import shlex
 import statistics
 import sys
@@ -251,22 +250,38 @@ class HF:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
-    def generate(self, ids: list[int], new_tokens: int, lookup: int = 0) -> tuple[list[int], float]:
+    def generate(self, ids: list[int], new_tokens: int, lookup: int = 0) -> dict:
+        """Greedy `generate`; decode tokens/s = tokens after the first step's over the time after it.
+
+        A streamer timestamps every step on the host, so prefill (the step that returns the
+        first token, or the first accepted block under prompt lookup) is cut out of the same call.
+        """
+        from transformers.generation.streamers import BaseStreamer
+
+        class Clock(BaseStreamer):
+            def __init__(self):
+                self.steps = []  # (time, tokens) per put after the prompt's
+
+            def put(self, value):
+                self.steps.append((time.perf_counter(), int(value.numel())))
+
+            def end(self):
+                pass
+
         torch = self.torch
         input_ids = torch.tensor([ids])
         extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+        clock = Clock()
         with torch.inference_mode():
-            start = time.perf_counter()
             out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-                                      **extra)
-            seconds = time.perf_counter() - start
-        return out[0, len(ids):].tolist(), seconds
-
-
-def hf_decode_rate(tokens: list[int], total_s: float, prefill_s: float) -> float:
-    """Decode tokens/s: the tokens after the first over the time after prefill + first token."""
-    return (len(tokens) - 1) / (total_s - prefill_s) if total_s > prefill_s else math.nan
+                                      streamer=clock, **extra)
+            done = time.perf_counter()
+        tokens = out[0, len(ids):].tolist()
+        first_at, first_tokens = clock.steps[1]  # steps[0] is the prompt itself
+        decode_s = done - first_at
+        rate = (len(tokens) - first_tokens) / decode_s if decode_s > 0 else math.nan
+        return dict(tokens=tokens, tps=rate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,12 +675,9 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  MISMATCH {m.key} on #{p.question_id}: first difference at token {diff}", flush=True)
                 record[m.key] = r
             if hf is not None and index < args.hf_prompts:
-                _, prefill_s = hf.generate(ids, 1)
-                tokens, total_s = hf.generate(ids, args.max_new_tokens)
-                record["hf"] = dict(tokens=tokens, tps=hf_decode_rate(tokens, total_s, prefill_s))
-                tokens, total_s = hf.generate(ids, args.max_new_tokens, lookup=args.hf_k)
-                record["hf-pld"] = dict(tokens=tokens, tps=hf_decode_rate(tokens, total_s, prefill_s),
-                                        exact=tokens == record["hf"]["tokens"])
+                record["hf"] = hf.generate(ids, args.max_new_tokens)
+                record["hf-pld"] = hf.generate(ids, args.max_new_tokens, lookup=args.hf_k)
+                record["hf-pld"]["exact"] = record["hf-pld"]["tokens"] == record["hf"]["tokens"]
             records.append(record)
             done += 1
             print(f"[{done}/{total}] {group:<14} #{p.question_id:<4} {len(ids):>5} tok  "
