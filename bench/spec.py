@@ -498,10 +498,17 @@ def plot(path: pathlib.Path, summaries, methods, hf_methods, costs, args) -> Non
     fig, (ax, ax_cost) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2.3, 1]})
     width = 0.8 / max(len(series), 1)
     x = np.arange(len(GROUPS))
+    top = 4.0  # a bar past this (a timing outlier) is clipped and labelled, so the rest stay readable
     for i, m in enumerate(series):
         values = [summaries[g][m.key]["speedup"] for g in GROUPS]
-        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=m.name,
+        at = x + (i - (len(series) - 1) / 2) * width
+        ax.bar(at, [min(v, top) for v in values], width, label=m.name,
                hatch="//" if m.method == "hf" else None, edgecolor="black", linewidth=0.4)
+        for xi, v in zip(at, values):
+            if v > top:
+                ax.annotate(f"{v:.1f}x", (xi, top), ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, min(top * 1.08, max([1.2] + [summaries[g][m.key]["speedup"] * 1.1 for g in GROUPS
+                                                  for m in series if not math.isnan(summaries[g][m.key]["speedup"])])))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(x, GROUPS, rotation=15)
     ax.set_ylabel("speedup over plain (decode tok/s)")
