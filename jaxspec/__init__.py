@@ -5,12 +5,12 @@
     print(result.text[0], result.stats.decode_tokens_per_second)
 """
 
-from jaxspec.api import DEFAULT_MODEL, GenerateResult, Model, SpecStats, Stream, generate, layer_skip, load, stream
+from jaxspec.api import DEFAULT_MODEL, GenerateResult, Model, SpecStats, Stream, generate, layer_skip, load, load_mtp, stream
 from jaxspec.config import Architecture, ModelConfig
 from jaxspec.errors import CheckpointError, InvalidRequestError, JaxspecError, UnsupportedModelError
 
 __all__ = [
     "DEFAULT_MODEL", "Architecture", "CheckpointError", "GenerateResult", "InvalidRequestError",
     "JaxspecError", "Model", "ModelConfig", "SpecStats", "Stream", "UnsupportedModelError",
-    "generate", "layer_skip", "load", "stream",
+    "generate", "layer_skip", "load", "load_mtp", "stream",
 ]

@@ -23,7 +23,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.pallas.flash_decode import Attention, resolve_attention
 from jaxspec.errors import InvalidRequestError
 from jaxspec.sampling import SamplingParams, spec_for
-from jaxspec.models import eagle3
+from jaxspec.models import eagle3, mtp
 from jaxspec.spec import loop, proposers
 from jaxspec.tokenizer import Tokenizer
 
@@ -53,12 +53,26 @@ def load(name_or_path: str = DEFAULT_MODEL, *, use_cache: bool = True, progress:
     return Model(config=ckpt.config, params=ckpt.params, tokenizer=tokenizer, source=str(ckpt.source))
 
 
+def load_mtp(model_or_path: "Model | str") -> Model:
+    """The MTP head an HF checkpoint carries (num_nextn_predict_layers): pass the target's
+    directory, or the target `Model` loaded from it. Generate with it as `draft_params`."""
+    source = model_or_path.source if isinstance(model_or_path, Model) else model_or_path
+    if source is None:
+        raise InvalidRequestError("this model has no source directory to read an MTP head from")
+    path = checkpoints.resolve_model(source)
+    if not checkpoints.has_mtp(path):
+        raise InvalidRequestError(
+            f"{path} carries no MTP head: an HF directory whose config.json declares num_nextn_predict_layers")
+    config, params = checkpoints.load_mtp(path)
+    return Model(config=config, params=params, source=str(path))
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecStats:
     """Where the time went and how speculation did. Decode figures exclude prefill; compile
     time is reported apart. With no proposer, rounds are plain decode steps (tau = 1)."""
 
-    method: str  # "plain" | "ngram" | "draft" | "layer_skip"
+    method: str  # one of METHODS
     num_draft_tokens: int  # k
     rows: int
     prompt_tokens: int
@@ -163,7 +177,7 @@ def _check_sampling(temperature, top_k, top_p, min_p, repetition_penalty) -> Non
                 raise InvalidRequestError(f"{message}; got {float(v)!r}")
 
 
-METHODS = ("plain", "ngram", "draft", "layer_skip", "eagle3")
+METHODS = ("plain", "ngram", "draft", "layer_skip", "eagle3", "mtp")
 MAX_DRAFT_TOKENS = 32  # beyond this a round costs far more than any acceptance can repay
 
 
@@ -187,7 +201,8 @@ def _proposer(model: Model, draft_params, method, num_draft_tokens, ngram_max, n
         if draft_params is None:
             method = "plain"
         else:
-            method = "eagle3" if isinstance(getattr(draft_params, "config", None), eagle3.Eagle3Config) else "draft"
+            method = {eagle3.Eagle3Config: "eagle3", mtp.MtpConfig: "mtp"}.get(
+                type(getattr(draft_params, "config", None)), "draft")
     if method not in METHODS:
         raise InvalidRequestError(f"method must be one of {METHODS}; got {method!r}")
     if method == "plain":
@@ -210,6 +225,10 @@ def _proposer(model: Model, draft_params, method, num_draft_tokens, ngram_max, n
         return method, proposers.PromptLookup(num_draft=int(k), ngram_max=ngram_max, ngram_min=ngram_min), None
     if method == "eagle3":
         return method, _eagle3_proposer(model, draft_params, int(k), draft_sampling, sampler), draft_params
+    if method == "mtp":
+        if draft_params is None:  # the head the target's own checkpoint carries
+            draft_params = load_mtp(model)
+        return method, _mtp_proposer(model, draft_params, int(k), draft_sampling, sampler), draft_params
     if method == "layer_skip":
         if draft_params is None:
             draft_params = layer_skip(model, exit_layer if exit_layer is not None else model.config.num_layers // 2)
@@ -248,13 +267,31 @@ def _eagle3_proposer(model: Model, head: Model | None, k: int, draft_sampling, s
                             sampler=sampler if sample else None)
 
 
+def _mtp_proposer(model: Model, head: Model, k: int, draft_sampling, sampler) -> proposers.Mtp:
+    """Check an MTP head against its target, before anything is traced."""
+    if not isinstance(head, Model) or not isinstance(head.config, mtp.MtpConfig):
+        raise InvalidRequestError("method='mtp' needs draft_params: an MTP head from jaxspec.load_mtp(MODEL_DIR)")
+    cfg, target = head.config, model.config
+    if cfg.dim != target.dim:
+        raise InvalidRequestError(f"the MTP head's hidden_size ({cfg.dim}) differs from the target's ({target.dim})")
+    if cfg.vocab_size != target.vocab_size:
+        raise InvalidRequestError(
+            f"the MTP head's vocabulary ({cfg.vocab_size}) differs from the target's ({target.vocab_size})")
+    sample = not sampler.greedy and draft_sampling != "argmax"
+    return proposers.Mtp(num_draft=k, config=cfg, target_layers=target.num_layers, sample=sample,
+                         sampler=sampler if sample else None)
+
+
 def _draft_arguments(model: Model, prepared: "_Prepared"):
-    """What the jitted program receives as draft_params: a draft trunk's params, or an EAGLE-3
-    head's params with the target's embedding beside them."""
+    """What the jitted program receives as draft_params: a draft trunk's params, or a head's
+    params with the target's embedding (and, for MTP, its lm_head) beside them."""
     if prepared.draft is None:
         return None
     if prepared.method == "eagle3":
         return {"head": prepared.draft.params, "embed": model.params["embed"]}
+    if prepared.method == "mtp":
+        lm_head = model.params["embed"] if model.config.tie_embeddings else model.params["lm_head"]
+        return {"head": prepared.draft.params, "embed": model.params["embed"], "lm_head": lm_head}
     return prepared.draft.params
 
 
@@ -283,11 +320,15 @@ def _prepare(model: Model, prompt, *, draft_params=None, method=None, num_draft_
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
     longest = max(len(r) for r in rows)
-    if longest + max_new_tokens + k > cfg.max_position_embeddings:
-        drafts = f" + num_draft_tokens ({k})" if k else ""
-        raise InvalidRequestError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}){drafts} exceeds the model's "
-            f"context of {cfg.max_position_embeddings} tokens")
+    contexts = [("model's", cfg.max_position_embeddings)]
+    if isinstance(proposer, proposers.Mtp):  # a sliding-window MTP block serves up to its window
+        contexts.append(("MTP head's", proposer.config.block.max_position_embeddings))
+    for whose, context in contexts:
+        if longest + max_new_tokens + k > context:
+            drafts = f" + num_draft_tokens ({k})" if k else ""
+            raise InvalidRequestError(
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}){drafts} exceeds the {whose} "
+                f"context of {context} tokens")
     if not isinstance(seed, (int, np.integer)):
         raise InvalidRequestError(f"seed must be an integer; got {seed!r}")
 
@@ -438,8 +479,10 @@ def generate(
     `prompt` is a string, a list of strings (a batch), token ids, or a batch of token ids.
     Speculation: `method` is "ngram" (prompt lookup), "draft" (`draft_params`, a model sharing
     the vocabulary), "layer_skip" (the target's first `exit_layer` layers; default half),
-    "eagle3" (`draft_params`, an EAGLE-3 head), or inferred from `draft_params`; `num_draft_tokens` (k) per round. Greedy speculative output
-    equals plain greedy output token for token.
+    "eagle3" (`draft_params`, an EAGLE-3 head), "mtp" (`draft_params` from `load_mtp`, by default
+    the head the target's own checkpoint carries), or inferred from `draft_params`;
+    `num_draft_tokens` (k) per round. Greedy speculative output equals plain greedy output token
+    for token.
     Sampling at temperature > 0 with the given filters and `seed` (same seed, same output);
     with a proposer, verification is lossless rejection sampling, and draft models draw their
     drafts from their own distribution (`draft_sampling="sample"`, the default) or propose

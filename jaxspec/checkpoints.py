@@ -1109,6 +1109,8 @@ def info(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
 # EAGLE-3 draft heads
 # ----------------------------------------------------------------------------------------------
 
+_FLOAT_DTYPES = ("F32", "F16", "BF16")  # what a draft head's weights may be stored as
+
 # jaxspec param name -> (tensor name in the checkpoint, shape as a function of the config)
 _EAGLE3_TENSORS = {
     "fc": ("fc.weight", lambda c: (c.dim, 3 * c.dim)),
@@ -1148,7 +1150,7 @@ def load_eagle3(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
         for name, (tensor, shape_of) in _EAGLE3_TENSORS.items():
             if tensor not in files:
                 raise CheckpointError(f"{directory} lacks EAGLE-3 tensor {tensor!r}")
-            if reader.dtype(tensor) not in ("F32", "F16", "BF16"):
+            if reader.dtype(tensor) not in _FLOAT_DTYPES:
                 raise CheckpointError(f"EAGLE-3 tensor {tensor!r} has dtype {reader.dtype(tensor)}; expected a float type")
             value = reader.read(tensor)
             if value.shape != shape_of(cfg):
@@ -1197,3 +1199,75 @@ def save_eagle3(directory: str | os.PathLike[str], cfg: Any, params: Params, *, 
     if cfg.aux_layer_ids is not None:
         hf["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)}
     (directory / "config.json").write_text(json.dumps(hf, indent=2), encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------------
+# MTP heads (inside their target's HF directory)
+# ----------------------------------------------------------------------------------------------
+
+# The head's own tensors per checkpoint layout; the block's follow _HF_NAMES under a prefix.
+# DeepSeek-V3 / GLM: the MTP layer is `model.layers.{L}` (L = num_hidden_layers), beside the block.
+# Qwen3-Next / Qwen3.5 / Mellum: an `mtp.` tree, the block under `mtp.layers.0.`.
+_MTP_LAYOUTS = {
+    "deepseek": {"enorm": "{L}.enorm.weight", "hnorm": "{L}.hnorm.weight", "eh_proj": "{L}.eh_proj.weight",
+                 "post_norm": "{L}.shared_head.norm.weight", "block": "{L}."},
+    "mtp_tree": {"enorm": "mtp.pre_fc_norm_embedding.weight", "hnorm": "mtp.pre_fc_norm_hidden.weight",
+                 "eh_proj": "mtp.fc.weight", "post_norm": "mtp.norm.weight", "block": "mtp.layers.0."},
+}
+
+
+def _mtp_names(layout: str, prefix: str, num_layers: int) -> dict[str, str]:
+    deepseek_layer = f"{prefix}layers.{num_layers}"
+    return {key: name.replace("{L}", deepseek_layer) for key, name in _MTP_LAYOUTS[layout].items()}
+
+
+def has_mtp(path: pathlib.Path) -> bool:
+    """Whether an HF directory's config declares MTP layers."""
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return False
+    hf = _read_json(path / "config.json")
+    return bool(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")))
+
+
+def load_mtp(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
+    """The first MTP layer of an HF checkpoint that carries one (see jaxspec.models.mtp).
+
+    Reads either layout (`model.layers.{L}.*` as DeepSeek-V3 and GLM store it, or the `mtp.*`
+    tree of Qwen3-Next and Mellum), checking every shape against the config.
+    """
+    from jaxspec.models import mtp
+
+    directory = pathlib.Path(directory)
+    cfg = mtp.config_from_hf(_read_json(directory / "config.json"))
+    files = hf_weight_files(directory)
+    prefix = _hf_prefix(files, directory)
+    target_layers = int(_read_json(directory / "config.json")["num_hidden_layers"])
+    for layout in _MTP_LAYOUTS:
+        names = _mtp_names(layout, prefix, target_layers)
+        if names["eh_proj"] in files:
+            break
+    else:
+        candidates = [_mtp_names(layout, prefix, target_layers)["eh_proj"] for layout in _MTP_LAYOUTS]
+        raise CheckpointError(f"{directory} declares MTP layers but holds none of {candidates}")
+    D = cfg.dim
+    expected = {"enorm": (D,), "hnorm": (D,), "eh_proj": (D, 2 * D), "post_norm": (D,)}
+    expected_block = layer_shapes(cfg.block)
+    params: Params = {"block": {}}
+    with contextlib.ExitStack() as stack:
+        reader = _SafetensorsReader(files, stack)
+
+        def read(tensor: str, shape: tuple[int, ...]) -> np.ndarray:
+            if tensor not in files:
+                raise CheckpointError(f"{directory} lacks MTP tensor {tensor!r}")
+            if reader.dtype(tensor) not in _FLOAT_DTYPES:
+                raise CheckpointError(f"MTP tensor {tensor!r} has dtype {reader.dtype(tensor)}; expected a float type")
+            value = reader.read(tensor)
+            if value.shape != shape:
+                raise CheckpointError(f"MTP tensor {tensor!r} has shape {value.shape}, the config implies {shape}")
+            return value
+
+        for key, shape in expected.items():
+            params[key] = read(names[key], shape)
+        for key, shape in expected_block.items():
+            params["block"][key] = read(names["block"] + _HF_NAMES[key], shape)
+    return cfg, _to_jax(params)

@@ -32,9 +32,18 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     gen.add_argument("--method", choices=api.METHODS, default=None,
-                     help="speculation: ngram (prompt lookup), draft (--draft MODEL), layer_skip; default plain")
+                     help="speculation: ngram (prompt lookup), draft (--draft MODEL), layer_skip, eagle3 "
+                          "(--draft HEAD_DIR), mtp (the model's own MTP head, or --draft DIR); default plain, "
+                          "or inferred from --draft")
     gen.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="draft tokens per round")
-    gen.add_argument("--draft", default=None, help="the draft model for --method draft (same vocabulary)")
+    gen.add_argument("--draft", default=None,
+                     help="a draft model (same vocabulary), an EAGLE-3 head directory, or for --method mtp the "
+                          "HF directory whose MTP head to use")
+    gen.add_argument("--draft-sampling", choices=api.DRAFT_SAMPLING, default=None,
+                     help="at temperature > 0: drafts sampled from the draft's distribution (default) or its argmax")
+    gen.add_argument("--kv-format", default=None, help="the target's KV cache: f32 (default), bf16, q8_0, q5_1, "
+                     "or K,V such as q8_0,q5_1")
+    gen.add_argument("--attention", default="auto", help="auto (default), reference, pallas or interpret")
     gen.add_argument("--exit-layer", type=int, default=None, help="layers the layer_skip draft keeps")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the model's chat template (default: on when the model has one)")
@@ -51,11 +60,18 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _generate(args) -> None:
     model = api.load(args.model, progress=True)
-    draft = api.load(args.draft, progress=True) if args.draft else None
+    if args.method == "mtp":  # the head lives in a target's directory (no --draft: the model's own)
+        draft = api.load_mtp(args.draft) if args.draft else None
+    else:
+        draft = api.load(args.draft, progress=True) if args.draft else None
+    kv_format = args.kv_format
+    if kv_format is not None and "," in kv_format:
+        kv_format = tuple(kv_format.split(",", 1))
     chat = args.chat if args.chat is not None else bool(model.tokenizer and model.tokenizer.chat_template)
     stream = api.stream(
         model, args.prompt, draft, method=args.method, num_draft_tokens=args.num_draft_tokens,
-        exit_layer=args.exit_layer, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        exit_layer=args.exit_layer, draft_sampling=args.draft_sampling, kv_format=kv_format,
+        attention=args.attention, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         seed=args.seed, chat=chat, stop=args.stop,
     )

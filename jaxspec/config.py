@@ -29,6 +29,7 @@ _HF_MODEL_TYPES = {
     "mistral": Architecture.MISTRAL,
     "qwen2": Architecture.QWEN2,
     "qwen3": Architecture.QWEN3,
+    "mellum": Architecture.QWEN3,  # dense, full-attention Mellum: Qwen3 layers (see _per_layer_type_view)
 }
 
 
@@ -134,6 +135,27 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def _per_layer_type_view(hf: Mapping[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
+    """A config with per-layer-type fields (Mellum) seen as one uniform stack of `layer_type`.
+
+    Mellum declares `layer_types` (full or sliding attention), `mlp_layer_types` (dense or
+    sparse MoE) and one `rope_parameters` entry per attention type. jaxspec runs it when every
+    layer is a dense full-attention layer, which is a Qwen3 layer (QK-norm, SwiGLU); anything else
+    is refused by name rather than run wrongly.
+    """
+    view = dict(hf)
+    for field, wanted in (("layer_types", "full_attention"), ("mlp_layer_types", "dense")):
+        kinds = hf.get(field)
+        if kinds is not None and any(kind != wanted for kind in kinds):
+            raise UnsupportedModelError(
+                f"{field} {sorted(set(kinds))}: jaxspec runs {hf.get('model_type')} only with every layer "
+                f"{wanted!r}")
+    rope = hf.get("rope_parameters")
+    if isinstance(rope, Mapping) and isinstance(rope.get(layer_type), Mapping):
+        view["rope_parameters"] = rope[layer_type]
+    return view
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Parse an HF `config.json` dict. Raises UnsupportedModelError naming what is unsupported."""
     model_type = hf.get("model_type")
@@ -141,6 +163,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; jaxspec reads {sorted(_HF_MODEL_TYPES)}"
         )
+    if model_type == "mellum":
+        hf = _per_layer_type_view(hf)
     architecture = _HF_MODEL_TYPES[model_type]
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")

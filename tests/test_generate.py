@@ -15,10 +15,17 @@ forward = jax.jit(llama.forward, static_argnums=1)
 
 
 def _greedy_by_recompute(params, prompt, steps):
-    """Reference greedy: rerun the whole sequence every step, no cache reuse at all."""
+    """Reference greedy: rerun the whole sequence every step from an empty cache, no cache reuse.
+
+    The sequence is right-padded to one length (causal attention never reads the padding), so
+    this compiles once, not once per length.
+    """
     seq = list(prompt)
+    width = len(prompt) + steps
     for _ in range(steps):
-        logits, _, _ = forward(params, TINY, jnp.asarray([seq]), KVCache.create(TINY, 1, 64))
+        padded = jnp.asarray([seq + [0] * (width - len(seq))])
+        logits, _, _ = forward(params, TINY, padded, KVCache.create(TINY, 1, 64),
+                               logit_indices=jnp.array([[len(seq) - 1]]))
         seq.append(int(jnp.argmax(logits[0, -1])))
     return seq[len(prompt):]
 

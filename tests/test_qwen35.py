@@ -287,6 +287,15 @@ def test_verify_forward_then_advance_selects_each_rows_state(hf_case):
         next_tokens = sequence[np.arange(2), lengths][:, None]
         logits, _, _ = forward(model.params, cfg, jnp.asarray(next_tokens, jnp.int32), committed)
         assert max_relative_error(logits[:, 0], full[np.arange(2), lengths]) <= 1e-4, accepted
+    # The chunked record (recorded_steps=0): start state + per-position inputs, the commit
+    # recomputing the selected state; the same numbers.
+    _, _, chunked = forward(model.params, cfg, jnp.asarray(sequence[:, prefix:prefix + 5], jnp.int32), cache,
+                            delta_rule=DeltaRule.CHUNKED)
+    assert isinstance(chunked.pending, qwen35.ChunkedSteps)
+    lengths = prefix + np.asarray([3, 1])
+    committed = _commit(chunked, jnp.asarray(lengths, jnp.int32))
+    logits, _, _ = forward(model.params, cfg, jnp.asarray(sequence[np.arange(2), lengths][:, None], jnp.int32), committed)
+    assert max_relative_error(logits[:, 0], full[np.arange(2), lengths]) <= 1e-4
     # A commit the cache cannot serve, inside a jitted program: that row's state turns to NaN.
     bad = _commit(verified, jnp.asarray([prefix - 1, prefix + 2], jnp.int32))
     logits, _, _ = forward(model.params, cfg, jnp.asarray(sequence[:, :1], jnp.int32), bad)
@@ -421,9 +430,13 @@ def test_speculative_greedy_equals_plain_greedy_ragged(hybrid, reference, method
         assert stats.proposed == k * stats.rounds
 
 
-@pytest.mark.parametrize("method, k", [("ngram", 4), ("layer_skip", 1), ("layer_skip", 4)])
-def test_speculative_greedy_equals_plain_greedy_batch_of_one(hybrid, reference, method, k):
-    result = jaxspec.generate(hybrid, prompt=PROMPTS[0], method=method, num_draft_tokens=k,
+@pytest.mark.parametrize("method, k, recorded_steps", [("ngram", 4, 16), ("layer_skip", 1, 16), ("layer_skip", 4, 2)])
+def test_speculative_greedy_equals_plain_greedy_batch_of_one(hybrid, reference, method, k, recorded_steps):
+    """recorded_steps=2: the target's T = 5 verify records per-position inputs only (the commit
+    recomputes), while the layer-skip draft's T <= 2 forwards record every state, as its
+    rollback needs."""
+    model = jaxspec.Model(config=dataclasses.replace(SPEC_CFG, recorded_steps=recorded_steps), params=hybrid.params)
+    result = jaxspec.generate(model, prompt=PROMPTS[0], method=method, num_draft_tokens=k,
                               max_new_tokens=NEW_TOKENS, ignore_eos=True)
     _assert_exact(hybrid, PROMPTS[:1], result, reference)
 
@@ -464,7 +477,10 @@ def test_rounds_rejecting_first_partial_and_all_keep_the_exact_state(hybrid, ref
         full = ids + reference[row]
         truth[row, :len(full)] = full
         prompt[row, :len(ids)] = ids
-    spec = loop.LoopSpec(cfg=SPEC_CFG, capacity=capacity, sampler=spec_for(temperature=0.0),
+    # recorded_steps=0: every verify records per-position inputs and the commit recomputes the
+    # accepted state (the default, recording every state, runs in the tests above).
+    cfg = dataclasses.replace(SPEC_CFG, recorded_steps=0)
+    spec = loop.LoopSpec(cfg=cfg, capacity=capacity, sampler=spec_for(temperature=0.0),
                          proposer=ScriptedDrafts(num_draft=k))
     request = loop.Request(prompt=jnp.asarray(prompt), prompt_length=jnp.asarray([len(p) for p in PROMPTS], jnp.int32),
                            max_new_tokens=jnp.full((batch,), new, jnp.int32),
@@ -491,7 +507,7 @@ def test_rounds_rejecting_first_partial_and_all_keep_the_exact_state(hybrid, ref
 SMALL_HYBRID = Qwen35Config(vocab_size=12, dim=32, num_layers=2, layer_types=(LIN, FULL), ffn_dim=48, num_heads=2,
                             num_kv_heads=1, head_dim=16, rotary_dim=4, rope_theta=10000.0, linear_num_key_heads=1,
                             linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-                            max_position_embeddings=64)
+                            max_position_embeddings=64, rollback_states=3)  # k = 2 drafts: R = k + 1
 
 
 @pytest.fixture(scope="module")
@@ -526,7 +542,7 @@ def exact_joint(model, settings) -> np.ndarray:
 def test_speculative_sampling_on_the_hybrid_is_lossless(small_hybrid):
     """Layer-skip on the hybrid: drafts sampled from a one-DeltaNet-layer draft whose state is
     rolled back every round, verified by rejection sampling; 20k samples against enumeration."""
-    settings = dict(temperature=1.0, top_k=8)
+    settings = dict(temperature=0.9)
     counts, stats = sampled_joint(small_hybrid, None, settings, method="layer_skip", exit_layer=1)
     p_value = chi_square_p_value(counts, exact_joint(small_hybrid, settings))
     assert p_value > SIGNIFICANCE, f"speculative samples differ from the target's distribution: p = {p_value:.2e}"

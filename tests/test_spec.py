@@ -143,15 +143,16 @@ def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
     # Context "1 2 3 9 1 2 3 7 5 1 2 3": the suffix "1 2 3" last occurred at index 4, followed by 7 5.
     history = jnp.array([[1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3, 0, 0, 0, 0]])
     context = Context(tokens=history, length=jnp.array([12]))
-    drafts, count, _ = PromptLookup(num_draft=4, ngram_max=3, ngram_min=1).propose(None, None, context)
+    proposal, _ = PromptLookup(num_draft=4, ngram_max=3, ngram_min=1).propose(None, None, context)
     # Proposals stop at the end of the context: 7 5 1 2 (four follow index 7).
-    assert drafts.tolist() == [[7, 5, 1, 2]] and count.tolist() == [4]
+    assert proposal.drafts.tolist() == [[7, 5, 1, 2]] and proposal.num_proposed.tolist() == [4]
+    assert proposal.probs is None  # point masses
     short = Context(tokens=history, length=jnp.array([9]))  # "... 1 2 3 7 5": suffix "5" never seen before
-    _, none, _ = PromptLookup(num_draft=4).propose(None, None, short)
-    assert none.tolist() == [0]
+    none, _ = PromptLookup(num_draft=4).propose(None, None, short)
+    assert none.num_proposed.tolist() == [0]
     # With ngram_max=1 the suffix "3" (at 11) matches index 6 most recently: proposes 7 5 1 2.
-    drafts1, count1, _ = PromptLookup(num_draft=2, ngram_max=1).propose(None, None, context)
-    assert drafts1.tolist() == [[7, 5]] and count1.tolist() == [2]
+    one_gram, _ = PromptLookup(num_draft=2, ngram_max=1).propose(None, None, context)
+    assert one_gram.drafts.tolist() == [[7, 5]] and one_gram.num_proposed.tolist() == [2]
 
 
 @pytest.mark.parametrize(

@@ -160,8 +160,7 @@ def forward(
     batch, steps = tokens.shape
     attention_cfg = cfg.attention_config
     positions = cache.length[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
-    angles = llama.rope_inv_freq(attention_cfg)[:, None, None] * positions[None].astype(jnp.float32)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = llama.rope_tables(attention_cfg, positions)
 
     e = jnp.take(embed, tokens.reshape(-1), axis=0).T  # [D, B*T]
     g = g.reshape(batch * steps, cfg.dim).T  # [D, B*T]

@@ -165,6 +165,30 @@ def _attention(
     return layer["o_proj"] @ out, keys, values
 
 
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [R/2, B, T] for int32[B, T] positions."""
+    angles = rope_inv_freq(cfg)[:, None, None] * positions[None].astype(jnp.float32)  # [R/2, B, T]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def decoder_layer(
+    layer: Params, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
+    keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
+    *, attention: Attention | str = Attention.AUTO,
+) -> tuple[jax.Array, Packed, Packed]:
+    """One pre-norm decoder layer on the residual stream h [D, B*T]: attention, then SwiGLU.
+
+    Also the block of an MTP head (jaxspec.models.mtp), which is a layer of the trunk's kind.
+    Returns the new stream and the layer's KV buffers with the T new entries written.
+    """
+    attn_out, keys, values = _attention(layer, cfg, rms_norm(h, layer["attn_norm"], cfg.norm_eps), cos, sin,
+                                        keys, values, offsets, batch, steps, attention=attention)
+    h = h + attn_out
+    x = rms_norm(h, layer["mlp_norm"], cfg.norm_eps)
+    gate, up = layer["gate_proj"] @ x, layer["up_proj"] @ x  # [F, B*T]
+    return h + layer["down_proj"] @ (jax.nn.silu(gate) * up), keys, values
+
+
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -184,8 +208,9 @@ def forward(
     logit_indices: int32[B, P] which of the T positions need logits (prefill needs one per row);
         default all T.
     hidden_layers: residual stream after these layers (0-based; HF's hidden_states[i + 1]; -1 is
-        the embedding output, the stream entering layer 0) is returned in the order asked, each
-        [B, T, D].
+        the embedding output, the stream entering layer 0; L = cfg.num_layers is the stream
+        after the final norm, HF's hidden_states[-1] and what an MTP head reads) is returned in
+        the order asked, each [B, T, D].
     attention: "auto" (the Pallas kernel on GPU, the XLA reference elsewhere), "reference",
         "pallas", or "interpret" (the kernel in the Pallas interpreter, for tests). The cache's
         own KV format (`KVCache.create(..., kv_format=...)`) decides how K/V are stored and read.
@@ -196,27 +221,22 @@ def forward(
     offsets = cache.length
     if positions is None:
         positions = offsets[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
-    angles = rope_inv_freq(cfg)[:, None, None] * positions[None].astype(jnp.float32)  # [R/2, B, T]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = rope_tables(cfg, positions)
 
     h = jnp.take(params["embed"], tokens.reshape(-1), axis=0).T  # [D, B*T]
     new_keys, new_values, hiddens = [], [], {-1: h}
     for index, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{index}"):
-            attn_out, k_buf, v_buf = _attention(
-                layer, cfg, rms_norm(h, layer["attn_norm"], cfg.norm_eps), cos, sin,
-                cache.keys[index], cache.values[index], offsets, batch, steps, attention=attention,
-            )
-            h = h + attn_out
-            x = rms_norm(h, layer["mlp_norm"], cfg.norm_eps)
-            gate, up = layer["gate_proj"] @ x, layer["up_proj"] @ x  # [F, B*T]
-            h = h + layer["down_proj"] @ (jax.nn.silu(gate) * up)
+            h, k_buf, v_buf = decoder_layer(layer, cfg, h, cos, sin, cache.keys[index], cache.values[index],
+                                            offsets, batch, steps, attention=attention)
         new_keys.append(k_buf)
         new_values.append(v_buf)
         if index in hidden_layers:
             hiddens[index] = h
 
-    h = rms_norm(h, params["final_norm"], cfg.norm_eps).reshape(cfg.dim, batch, steps)
+    h = rms_norm(h, params["final_norm"], cfg.norm_eps)
+    hiddens[cfg.num_layers] = h
+    h = h.reshape(cfg.dim, batch, steps)
     if logit_indices is not None:
         h = jnp.take_along_axis(h, logit_indices[None], axis=2)  # [D, B, P]
     head = params["embed"] if cfg.tie_embeddings else params["lm_head"]

@@ -13,9 +13,9 @@ honours the trunk contract of `jaxspec.models`: the T tokens are run at each row
 Rollback of recurrent state (DESIGN.md contract 2). Attention layers roll back by length as
 everywhere. A DeltaNet layer's state cannot be "un-written", so:
   * a forward leaves the per-position states in the cache as `pending`: with T <=
-    MAX_RECORDED_STEPS (decode, verify) the recurrent form records the state after every
-    position, [B, T, E, X, Y]; a longer forward (prefill) uses the chunked parallel form and
-    records the state at each chunk start plus the per-position k, v, decay and beta;
+    `Qwen35Config.recorded_steps` (decode, verify) the recurrent form records the state after
+    every position, [B, T, E, X, Y]; a longer forward (prefill) uses the chunked parallel form
+    and records the state at each chunk start plus the per-position k, v, decay and beta;
   * `advance(n)` / `set_length(L)` then select, per row, the state after L tokens: an index into
     the recorded states (no replay forward), or for a chunked forward the one partial chunk
     up to L recomputed from its start state with positions past L made identity updates
@@ -27,6 +27,11 @@ everywhere. A DeltaNet layer's state cannot be "un-written", so:
     past what the ring holds cannot be served by an index and raises `StateRollbackError`
     (eagerly, or from inside a jitted program through a callback that only runs when it fails).
     After a chunked forward only the selected state is committed: the ring then starts there.
+Recording every state costs E*X*Y*4 bytes per position and DeltaNet layer (48 MiB per position
+per row at Qwen3.5-9B's shapes; bench/hybrid.py); a small `recorded_steps` makes longer forwards
+record the chunked way instead (~1.5 MiB per position there), the commit then recomputing the
+selected state from the chunk start: the same numbers, for a matmul-sized recompute per commit.
+A target can use recorded_steps=0; a draft that rolls back needs its T = 2 catch-up recorded (>= 2).
 
 Layout follows `llama.py`: weights `[out, in]` as HF stores them, activations feature-major
 `[D, B*T]` through the projections; the recurrence runs on `[B, T, heads, dim]`.
@@ -71,8 +76,6 @@ from jaxspec.pallas.kv_quant import Packed
 
 Params = dict[str, Any]
 
-# A forward over at most this many tokens runs the recurrent form and records every state.
-MAX_RECORDED_STEPS = 16
 CHUNK_SIZE = 64  # the chunked form's chunk (HF's and FLA's default)
 L2NORM_EPS = 1e-6  # q/k L2 normalisation inside the delta rule (FLA's constant, not rms_norm_eps)
 
@@ -125,9 +128,17 @@ class Qwen35Config:
     # cache with no forward in between (R - 1 positions). 1 keeps only the current state (a
     # target never rolls back); a draft model or layer-skip draft drafting k tokens needs k + 1.
     rollback_states: int = 8
+    # A forward over at most this many tokens runs the recurrent form and records the state after
+    # every position (commit = an index); longer ones run the chunked form and record chunk-start
+    # states and per-position inputs (commit = a one-chunk recompute, one state committed).
+    # 0: always the latter, fine for a target; a draft model that rolls back needs >= 2.
+    recorded_steps: int = 16
 
     def __post_init__(self):
-        layer_types = tuple(LayerType(t) for t in self.layer_types)
+        try:
+            layer_types = tuple(LayerType(t) for t in self.layer_types)
+        except ValueError as err:
+            raise UnsupportedModelError(f"layer_types: {err} (only {[t.value for t in LayerType]})") from None
         if len(layer_types) < self.num_layers:
             raise UnsupportedModelError(
                 f"layer_types has {len(layer_types)} entries but num_layers is {self.num_layers}; "
@@ -144,6 +155,7 @@ class Qwen35Config:
              f"linear_num_key_heads={self.linear_num_key_heads}"),
             (self.linear_conv_kernel >= 1, f"linear_conv_kernel={self.linear_conv_kernel} must be >= 1"),
             (self.rollback_states >= 1, f"rollback_states={self.rollback_states} must be >= 1"),
+            (self.recorded_steps >= 0, f"recorded_steps={self.recorded_steps} must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -181,7 +193,7 @@ class Qwen35Config:
 
 @struct.dataclass
 class RecordedSteps:
-    """What a recurrent-form forward (T <= MAX_RECORDED_STEPS) leaves for the commit."""
+    """What a recurrent-form forward (T <= cfg.recorded_steps) leaves for the commit."""
 
     conv_inputs: tuple[jax.Array, ...]  # per DeltaNet layer [B, T, C]: the conv's new inputs
     states: tuple[jax.Array, ...]  # per DeltaNet layer [B, T, E, X, Y]: the state after each position
@@ -196,7 +208,10 @@ class ChunkedSteps:
     """What a chunked-form forward leaves: chunk-start states and the per-position inputs."""
 
     conv_inputs: tuple[jax.Array, ...]  # per DeltaNet layer [B, T, C]
-    chunk_states: tuple[jax.Array, ...]  # per DeltaNet layer [B, T'/c, E, X, Y]: state at each chunk start
+    # per DeltaNet layer [B, T'/c - 1, E, X, Y]: the state at the start of chunks 1, 2, ... (chunk
+    # 0 starts from the committed state, which the ring holds: not copied, so a one-chunk forward
+    # such as a verify records per-position inputs only)
+    chunk_states: tuple[jax.Array, ...]
     keys: tuple[jax.Array, ...]  # [B, T', E, X]: normalised keys, T' = T padded to whole chunks
     values: tuple[jax.Array, ...]  # [B, T', E, Y]
     decay: tuple[jax.Array, ...]  # [B, T', E]: log decay g (0 on padding)
@@ -208,7 +223,7 @@ class ChunkedSteps:
 
     @property
     def chunk_size(self) -> int:
-        return self.keys[0].shape[1] // self.chunk_states[0].shape[1]
+        return self.keys[0].shape[1] // (self.chunk_states[0].shape[1] + 1)
 
 
 @struct.dataclass
@@ -287,9 +302,9 @@ class Qwen35Cache:
         restorable = (target >= self.oldest) & (target <= base)
         ok = from_pending | restorable
         # Under jit the host is told only of a pure rollback (no pending forward): that is where a
-        # ring too small for a drafter's k shows, and it costs a branch, not a sync. Any length the
-        # cache cannot serve also poisons that row's state with NaN, so a caller's bad commit shows
-        # in its outputs rather than as plausible numbers.
+        # ring too small for a drafter's k shows (a branch whose host callback runs only on
+        # failure). Any length the cache cannot serve also poisons that row's state with NaN, so
+        # a caller's bad commit shows in its outputs rather than as plausible numbers.
         _check_restorable(ok, target, base, self.oldest, steps, R, on_device=self.pending is None)
         conv, ssm, oldest = self.conv, self.ssm, self.oldest
         if self.pending is not None and self.ssm:
@@ -297,8 +312,10 @@ class Qwen35Cache:
                 conv, ssm = _commit_recorded(self, self.pending, target, from_pending)
                 oldest = jnp.where(from_pending, jnp.maximum(oldest, target - R + 1), oldest)
             else:
+                # One state is committed: the ring stays contiguous only if it is the next one.
                 conv, ssm = _commit_chunked(self, self.pending, target, from_pending)
-                oldest = jnp.where(from_pending, target, oldest)
+                extends = target == base + 1
+                oldest = jnp.where(from_pending, jnp.where(extends, jnp.maximum(oldest, target - R + 1), target), oldest)
         unservable = jnp.where(ok, R, target % R)  # R: out of range, nothing written
         rows = jnp.arange(self.batch)
         ssm = tuple(ring.at[rows, unservable].set(jnp.nan, mode="drop") for ring in ssm)
@@ -353,7 +370,10 @@ def _commit_chunked(cache: Qwen35Cache, pending: ChunkedSteps, target, from_pend
     for index, (conv_ring, ssm_ring) in enumerate(zip(cache.conv, cache.ssm)):
         def gather(x):
             return jnp.take_along_axis(x, at.reshape(batch, size, *([1] * (x.ndim - 2))), axis=1)
-        start = pending.chunk_states[index][rows, chunk]  # [B, E, X, Y]
+        start = _ring_read(ssm_ring, base)  # [B, E, X, Y]: chunk 0's start
+        if pending.chunk_states[index].shape[1]:
+            later = pending.chunk_states[index][rows, jnp.maximum(chunk - 1, 0)]
+            start = jnp.where((chunk > 0)[:, None, None, None], later, start)
         decay = jnp.where(within[..., None], gather(pending.decay[index]), 0.0)
         beta = jnp.where(within[..., None], gather(pending.beta[index]), 0.0)
         state = _chunk_end_state(start, _heads_first(gather(pending.keys[index])),
@@ -378,7 +398,8 @@ def _raise_rollback(ok, target, length, oldest, steps, history):
         f"row {row}: cannot set a hybrid cache to length {target}; its DeltaNet state is kept for "
         f"lengths {reachable} only. Qwen35Config.rollback_states={int(history)} bounds a rollback to "
         f"{int(history) - 1} positions behind the furthest commit (a draft drafting k tokens per "
-        "round needs rollback_states >= k + 1), and a chunked (prefill) forward commits one state")
+        "round needs rollback_states >= k + 1), and a chunked forward (a prefill, or any T > "
+        "recorded_steps) commits one state, so a rolled-back draft needs recorded_steps >= 2")
 
 
 def _check_restorable(ok, target, length, oldest, steps: int, history: int, *, on_device: bool) -> None:
@@ -422,6 +443,13 @@ def recurrent_delta_rule(query, key, value, decay, beta, state):
         state = state + k[..., :, None] * delta[..., None, :]
         return state, (jnp.einsum("BEXY,BEX->BEY", state, q), state)
 
+    if key.shape[1] <= 2:  # decode and the draft's catch-up: a loop would only add overhead
+        outs, states = [], []
+        for t in range(key.shape[1]):
+            state, (out, _) = step(state, (query[:, t], key[:, t], value[:, t], decay[:, t], beta[:, t]))
+            outs.append(out)
+            states.append(state)
+        return jnp.stack(outs, axis=1), jnp.stack(states, axis=1)
     time_major = [jnp.swapaxes(x, 0, 1) for x in (query, key, value, decay, beta)]
     # A scan, not an unrolled loop: unrolling 16 steps costs seconds of XLA compile per layer.
     _, (outs, states) = jax.lax.scan(step, state, time_major)
@@ -560,7 +588,7 @@ def _delta_net(layer: Params, cfg: Qwen35Config, h: jax.Array, conv_window: jax.
         out, chunk_states, _ = chunked_delta_rule(query, key, value, decay, beta, state)
         size = min(CHUNK_SIZE, steps)
         pad = [(0, 0), (0, -steps % size)]
-        pending = dict(conv_inputs=mixed, chunk_states=chunk_states,
+        pending = dict(conv_inputs=mixed, chunk_states=chunk_states[:, 1:],
                        keys=jnp.pad(key, pad + [(0, 0)] * 2), values=jnp.pad(value, pad + [(0, 0)] * 2),
                        decay=jnp.pad(decay, pad + [(0, 0)]), beta=jnp.pad(beta, pad + [(0, 0)]))
 
@@ -629,8 +657,9 @@ def forward(
 
     tokens int32[B, T] at slots `cache.length[b] + t`; positions (RoPE) default the slots;
     logit_indices int32[B, P] picks which positions get logits (default all T); hidden_layers
-    returns the residual stream after those layers (-1: the embeddings), each [B, T, D].
-    delta_rule: the form of the delta rule; default recurrent for T <= MAX_RECORDED_STEPS (every
+    returns the residual stream after those layers (-1: the embeddings; num_layers: after the
+    final norm), each [B, T, D].
+    delta_rule: the form of the delta rule; default recurrent for T <= cfg.recorded_steps (every
     state recorded), chunked above. attention: the attention layers' path, as in llama.py
     (Pallas kernel on GPU, XLA reference elsewhere). The cache comes back with K/V written and
     the DeltaNet states pending, `length` unchanged: commit with `advance` / `set_length`.
@@ -638,7 +667,7 @@ def forward(
     _check_params(params, cfg)
     batch, steps = tokens.shape
     if delta_rule is None:
-        delta_rule = DeltaRule.RECURRENT if steps <= MAX_RECORDED_STEPS else DeltaRule.CHUNKED
+        delta_rule = DeltaRule.RECURRENT if steps <= cfg.recorded_steps else DeltaRule.CHUNKED
     offsets = cache.length
     if positions is None:
         positions = offsets[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
@@ -666,7 +695,9 @@ def forward(
             h = h + layer["down_proj"] @ (jax.nn.silu(layer["gate_proj"] @ x) * (layer["up_proj"] @ x))
         hiddens[index] = h
 
-    h = rms_norm(h, params["final_norm"], cfg.norm_eps).reshape(cfg.dim, batch, steps)
+    h = rms_norm(h, params["final_norm"], cfg.norm_eps)
+    hiddens[cfg.num_layers] = h  # the final-normed stream (llama.py's convention)
+    h = h.reshape(cfg.dim, batch, steps)
     if logit_indices is not None:
         h = jnp.take_along_axis(h, logit_indices[None], axis=2)  # [D, B, P]
     head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
@@ -792,8 +823,10 @@ _HF_PREFIXES = ("model.language_model.", "model.", "")
 _UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "num_experts": None}
 
 
-def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8) -> Qwen35Config:
-    """Parse a `qwen3_5` or `qwen3_5_text` config.json. Errors name the offending field."""
+def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8, recorded_steps: int = 16) -> Qwen35Config:
+    """Parse a `qwen3_5` or `qwen3_5_text` config.json. Errors name the offending field.
+
+    rollback_states and recorded_steps are jaxspec's own (not in config.json): see Qwen35Config."""
     model_type = hf.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise UnsupportedModelError(f"model_type {model_type!r} is not a Qwen3.5 hybrid ({HF_MODEL_TYPES})")
@@ -857,6 +890,7 @@ def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8) -> Qwen35
             bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=() if eos is None else ((int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)),
             rollback_states=rollback_states,
+            recorded_steps=recorded_steps,
         )
     except KeyError as missing:
         raise UnsupportedModelError(f"config.json lacks required field {missing}") from None

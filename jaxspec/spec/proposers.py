@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import models
-from jaxspec.models import eagle3
+from jaxspec.models import eagle3, mtp
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution
@@ -204,75 +204,73 @@ def _next_token(logits: jax.Array, context: Context, step: int, sample: bool,
 
 
 @struct.dataclass
-class Eagle3State:
+class HeadState:
     cache: KVCache  # the head's KV over the whole sequence; length == the target cache's
     g_next: jax.Array  # [B, D]: the head's output at the last committed position
     next_logits: jax.Array  # [B, Vd]: draft logits for the token after the pending one
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Eagle3:
-    """EAGLE-3 drafting (see jaxspec.models.eagle3 for the head).
+class _FeatureHead:
+    """Drafting with a one-layer head over the target's hidden states: EAGLE-3 and MTP.
 
     The head keeps its own KV over the whole sequence across rounds (as vLLM does), not a
     scratch buffer: after each verify, the committed positions are written into it from the
     target's own features (one head forward over the k + 1 verified positions, padded), and the
     last of them yields the next round's first draft. Later drafts within a round run on the
-    head's own g; their KV slots are speculative and rolled back by length.
-    draft_params: {"head": head params, "embed": the target's embedding [V, D]}.
+    head's own output; their KV slots are speculative and rolled back by length. Slot p holds
+    the pair (target feature p, token p + 1).
+
+    A subclass says how target features become the head's input (`_encode`), runs one head step
+    (`_step`), maps head-vocabulary ids to target ids (`_to_target`) and makes the head's cache.
+    Fields it must have: num_draft, sample, sampler, and a `vocab_size` (the target's V).
     """
 
-    num_draft: int
-    config: "eagle3.Eagle3Config"
-    aux_layer_ids: tuple[int, ...]  # input-of-layer spelling (see models/eagle3.py)
-    sample: bool = False
-    sampler: SamplerSpec | None = None
-    name: str = "eagle3"
+    def _encode(self, draft_params, hiddens: tuple[jax.Array, ...]) -> jax.Array: ...
 
-    @property
-    def target_hidden_layers(self) -> tuple[int, ...]:
-        return eagle3.target_hidden_layers(self.aux_layer_ids)
+    def _step(self, draft_params, tokens, g, cache) -> tuple[jax.Array, jax.Array, KVCache]: ...
 
-    def _absorb(self, draft_params, cache: KVCache, tokens, features, count) -> Eagle3State:
+    def _to_target(self, draft_params, ids: jax.Array) -> jax.Array: ...
+
+    def _create_cache(self, batch: int, capacity: int) -> KVCache: ...
+
+    def _absorb(self, draft_params, cache: KVCache, tokens, features, count) -> HeadState:
         """Write (feature p, token p + 1) pairs at the cache's offsets and commit `count` per row."""
-        head = draft_params["head"]
-        g = eagle3.encode(head, features)
-        logits, g_next, cache = eagle3.forward(head, self.config, draft_params["embed"], tokens, g, cache)
-        last = jnp.maximum(count - 1, 0)[:, None]
-        return Eagle3State(
+        logits, g_next, cache = self._step(draft_params, tokens, self._encode(draft_params, features), cache)
+        last = jnp.maximum(count - 1, 0)[:, None, None]
+        return HeadState(
             cache=cache.advance(count),
-            g_next=jnp.take_along_axis(g_next, last[:, :, None], axis=1)[:, 0],
-            next_logits=jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0],
+            g_next=jnp.take_along_axis(g_next, last, axis=1)[:, 0],
+            next_logits=jnp.take_along_axis(logits, last, axis=1)[:, 0],
         )
 
     def _draft_token(self, draft_params, logits, context, step):
-        """Draft-vocabulary logits -> target token id [B], and q over the target vocabulary."""
-        head = draft_params["head"]
-        draft_id, draft_probs = _next_token(logits, context, step, self.sample, self.sampler)
-        token = eagle3.to_target_ids(head, draft_id)
-        if draft_probs is None:
+        """Head-vocabulary logits -> target token id [B], and q over the target vocabulary."""
+        head_id, head_probs = _next_token(logits, context, step, self.sample, self.sampler)
+        token = self._to_target(draft_params, head_id)
+        if head_probs is None:
             return token, None
-        all_targets = eagle3.to_target_ids(head, jnp.arange(logits.shape[-1]))
-        probs = jnp.zeros((logits.shape[0], self.config.vocab_size)).at[:, all_targets].set(draft_probs)
+        if logits.shape[-1] == self.vocab_size:  # the head speaks the target's vocabulary
+            return token, head_probs
+        all_targets = self._to_target(draft_params, jnp.arange(logits.shape[-1]))
+        probs = jnp.zeros((logits.shape[0], self.vocab_size)).at[:, all_targets].set(head_probs)
         return token, probs
 
-    def init(self, draft_params, prefill: Prefill, capacity: int) -> Eagle3State:
+    def init(self, draft_params, prefill: Prefill, capacity: int) -> HeadState:
         batch, size = prefill.prompt.shape
-        cache = eagle3.create_cache(self.config, batch, capacity)
+        cache = self._create_cache(batch, capacity)
         # Feature p pairs with token p + 1: the prompt shifted left, the first token at the end.
         shifted = jnp.concatenate([prefill.prompt[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
         last = (prefill.prompt_length - 1)[:, None]
         tokens = jnp.where(jnp.arange(size)[None, :] == last, prefill.first_token[:, None], shifted)
         return self._absorb(draft_params, cache, tokens, prefill.hiddens, prefill.prompt_length)
 
-    def propose(self, draft_params, state: Eagle3State, context: Context):
+    def propose(self, draft_params, state: HeadState, context: Context):
         first, first_probs = self._draft_token(draft_params, state.next_logits, context, 0)
         committed_length = state.cache.length
 
         def step(carry, index):
             token, g, cache = carry
-            logits, g_next, cache = eagle3.forward(draft_params["head"], self.config, draft_params["embed"],
-                                                   token[:, None], g[:, None], cache)
+            logits, g_next, cache = self._step(draft_params, token[:, None], g[:, None], cache)
             following, probs = self._draft_token(draft_params, logits[:, 0], context, index)
             return (following, g_next[:, 0], cache.advance(jnp.ones_like(cache.length))), (following, probs)
 
@@ -287,6 +285,78 @@ class Eagle3:
         return Proposal(drafts=drafts, num_proposed=jnp.full(first.shape, self.num_draft, jnp.int32),
                         probs=probs), state
 
-    def update(self, draft_params, state: Eagle3State, verified: Verified) -> Eagle3State:
+    def update(self, draft_params, state: HeadState, verified: Verified) -> HeadState:
         return self._absorb(draft_params, state.cache, verified.committed, verified.hiddens,
                             verified.num_committed)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eagle3(_FeatureHead):
+    """EAGLE-3 drafting (see jaxspec.models.eagle3 for the head): g = fc(three aux features).
+
+    draft_params: {"head": head params, "embed": the target's embedding [V, D]}.
+    """
+
+    num_draft: int
+    config: "eagle3.Eagle3Config"
+    aux_layer_ids: tuple[int, ...]  # input-of-layer spelling (see models/eagle3.py)
+    sample: bool = False
+    sampler: SamplerSpec | None = None
+    name: str = "eagle3"
+
+    @property
+    def target_hidden_layers(self) -> tuple[int, ...]:
+        return eagle3.target_hidden_layers(self.aux_layer_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def _encode(self, draft_params, hiddens):
+        return eagle3.encode(draft_params["head"], hiddens)
+
+    def _step(self, draft_params, tokens, g, cache):
+        return eagle3.forward(draft_params["head"], self.config, draft_params["embed"], tokens, g, cache)
+
+    def _to_target(self, draft_params, ids):
+        return eagle3.to_target_ids(draft_params["head"], ids)
+
+    def _create_cache(self, batch, capacity):
+        return eagle3.create_cache(self.config, batch, capacity)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mtp(_FeatureHead):
+    """MTP drafting (see jaxspec.models.mtp): the head reads the target's final-normed hidden
+    state and speaks the target's vocabulary through the target's own lm_head.
+
+    draft_params: {"head": head params, "embed": the target's embedding, "lm_head": its head}.
+    """
+
+    num_draft: int
+    config: "mtp.MtpConfig"
+    target_layers: int  # the target's L: its hidden layer L is the stream after the final norm
+    sample: bool = False
+    sampler: SamplerSpec | None = None
+    name: str = "mtp"
+
+    @property
+    def target_hidden_layers(self) -> tuple[int, ...]:
+        return (self.target_layers,)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def _encode(self, draft_params, hiddens):
+        return hiddens[0]
+
+    def _step(self, draft_params, tokens, g, cache):
+        return mtp.forward(draft_params["head"], self.config, draft_params["embed"], draft_params["lm_head"],
+                           tokens, g, cache)
+
+    def _to_target(self, draft_params, ids):
+        return ids
+
+    def _create_cache(self, batch, capacity):
+        return mtp.create_cache(self.config, batch, capacity)
