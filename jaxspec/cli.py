@@ -1,4 +1,4 @@
-"""`python -m jaxspec.cli generate | info | convert`.
+"""`python -m jaxspec.cli generate | info | convert | train-head`.
 
 Bad input (a missing model, an out-of-range parameter) prints one line and exits with status 2.
 """
@@ -55,6 +55,33 @@ def _build_parser() -> argparse.ArgumentParser:
     convert.add_argument("source")
     convert.add_argument("output")
     convert.add_argument("--overwrite", action="store_true")
+
+    head = commands.add_parser("train-head", help="train an EAGLE-3 or MTP draft head on the model's own answers")
+    head.add_argument("--method", choices=("eagle3", "mtp"), default="eagle3")
+    head.add_argument("--model", default=api.DEFAULT_MODEL, help="the target: a name, a .gguf file or a directory")
+    head.add_argument("--out", required=True,
+                      help="the run's directory: checkpoints, data, and the head (EAGLE-3: generate with --draft OUT)")
+    head.add_argument("--prompts", default=None,
+                      help='a JSONL file, one {"prompt": ...} or {"text": ...} per line (default: a small built-in set)')
+    head.add_argument("--steps", type=int, default=1000)
+    head.add_argument("--batch-size", type=int, default=8)
+    head.add_argument("--seq-len", type=int, default=256, help="training window: prompt + answer tokens")
+    head.add_argument("--max-new-tokens", type=int, default=128, help="answer length when self-distilling")
+    head.add_argument("--draft-vocab-size", type=int, default=None,
+                      help="EAGLE-3: draft over the N most frequent answer tokens (default: the whole vocabulary)")
+    head.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate")
+    head.add_argument("--warmup-steps", type=int, default=50)
+    head.add_argument("--ttt-steps", type=int, default=3, help="unrolled head steps per position (training-time test)")
+    head.add_argument("--soft-labels", action="store_true",
+                      help="learn the target's distribution over the draft vocabulary, not its argmax")
+    head.add_argument("--val-fraction", type=float, default=0.05)
+    head.add_argument("--eval-every", type=int, default=100)
+    head.add_argument("--save-every", type=int, default=200)
+    head.add_argument("--seed", type=int, default=0)
+    head.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                      help="apply the model's chat template to prompts (default: on when the model has one)")
+    head.add_argument("--resume", action="store_true",
+                      help="continue the run in --out with its saved settings and data (other settings are ignored)")
     return parser
 
 
@@ -90,6 +117,26 @@ def _generate(args) -> None:
     )
 
 
+def _train_head(args) -> None:
+    from jaxspec import train  # optax and orbax load only for training
+
+    prompts = None if args.resume or args.prompts is None else train.read_prompts_jsonl(args.prompts)
+    config = None if args.resume else train.TrainConfig(
+        method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
+        warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, soft_labels=args.soft_labels,
+        draft_vocab_size=args.draft_vocab_size, val_fraction=args.val_fraction, eval_every=args.eval_every,
+        save_every=args.save_every, seed=args.seed)
+    result, stats = train.train_head(args.model, args.out, config, prompts=prompts, seq_len=args.seq_len,
+                                     max_new_tokens=args.max_new_tokens, chat=args.chat, resume=args.resume)
+    summary = f"{result.config.method.value} head: {result.step} steps"
+    if result.validation is not None:
+        summary += f", validation loss {result.validation['loss']:.3f}, top-1 {result.validation['top1']:.3f}"
+    if stats is not None:
+        summary += (f"; tau {stats.tau:.2f} (k={stats.num_draft_tokens}, acceptance {stats.acceptance_rate:.0%}) "
+                    f"on {stats.rows} held-out prompts")
+    print(f"{summary} -> {result.head_path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
@@ -100,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "convert":
             out = checkpoints.convert(args.source, args.output, overwrite=args.overwrite, progress=True)
             print(f"converted {args.source} -> {out}")
+        elif args.command == "train-head":
+            _train_head(args)
     except JaxspecError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -1,0 +1,876 @@
+"""Training a draft head (EAGLE-3 or MTP) on a target model's own hidden states.
+
+The pipeline, each stage a plain function:
+
+    prompts   read_prompts_jsonl / tokenize_prompts      JSONL -> token ids
+    answers   self_distill                               the target answers them greedily (batched
+                                                         `jaxspec.generate`), so the head learns the
+                                                         distribution it will be verified against
+    batches   pack                                       right-padded int32[N, T] + lengths
+    vocab     draft_vocab                                the Vd most frequent response tokens -> d2t, t2d
+    features  target_batch                               the target's aux hiddens, its own next-token
+                                                         argmax and the loss mask, recomputed per batch
+                                                         (no feature files)
+    training  train                                      AdamW + warmup/cosine + clipping, the EAGLE-3
+                                                         training-time test, orbax checkpoints, resumable
+    output    save_eagle3 (jaxspec.load reads it) / save_mtp_head (load_mtp_head reads it)
+
+Alignment (the inference convention of models/eagle3.py and models/mtp.py): head slot p reads
+(target feature p, token p + 1) and drafts token p + 2; the label is what the *target* predicts at
+position p + 1, its argmax (or its distribution over the draft vocabulary). Only positions whose
+prediction lands in the response count (the loss mask); prompts are context, not targets.
+
+The training-time test (EAGLE-3, "TTT"): the head is unrolled `ttt_steps` times over the whole
+sequence at once. Step 0 reads the encoded target features; step j > 0 reads the head's own
+g_next from step j - 1 shifted right by one position, so slot p at step j carries a feature the
+head derived from the target feature at p - j through j of its own steps, exactly the chain a
+depth-j draft runs at inference. Tokens stay the ground truth (a deeper draft only matters when
+the shallower ones were accepted). Each step attends causally over its own sequence (a fresh KV
+cache of T slots): at inference the earlier slots hold target features rather than the head's own,
+a simplification of the paper's tree mask that keeps every step a plain head forward. Step j's
+loss is weighted `step_decay ** j`. MTP trains through the same code with its own forward, the
+target's final-normed hidden as the feature and the target's vocabulary.
+
+Resuming: the data order is a pure function of (seed, step), the dataset and the run's settings
+are saved beside the orbax checkpoints (params, optimizer state, step), so a resumed run takes
+the same batches in the same order as an uninterrupted one and ends with the same params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import json
+import math
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxspec import checkpoints, models
+from jaxspec.api import Model, SpecStats, _as_batch, generate
+from jaxspec.config import ModelConfig
+from jaxspec.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
+from jaxspec.models import eagle3, mtp
+
+Params = dict[str, Any]
+
+DATA_FILE = "train_data.npz"
+RUN_FILE = "train_run.json"
+CHECKPOINT_DIR = "train_checkpoints"
+MTP_HEAD_DIR = "mtp_head"
+MTP_CONFIG_FILE = "mtp_head.json"
+
+
+class Method(enum.Enum):
+    EAGLE3 = "eagle3"
+    MTP = "mtp"
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts and self-distillation
+# ----------------------------------------------------------------------------------------------
+
+def read_prompts_jsonl(path: str | os.PathLike[str]) -> list[str | list[int]]:
+    """One JSON object per line with a "prompt" or "text" field: a string, or a list of token ids
+    (for models without a tokenizer). Blank lines are skipped; anything else names its line."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise InvalidRequestError(f"prompt file not found: {path}")
+    prompts: list[str | list[int]] = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise InvalidRequestError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise InvalidRequestError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            prompt = record.get("prompt", record.get("text"))
+            if prompt is None:
+                raise InvalidRequestError(f"{path}:{number}: the object has no \"prompt\" or \"text\" field")
+            is_ids = isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            if not (isinstance(prompt, str) and prompt.strip()) and not is_ids:
+                raise InvalidRequestError(
+                    f"{path}:{number}: \"prompt\"/\"text\" must be a non-empty string or list of token ids; "
+                    f"got {prompt!r:.60}")
+            prompts.append(prompt)
+    if not prompts:
+        raise InvalidRequestError(f"{path} holds no prompts")
+    return prompts
+
+
+def tokenize_prompts(model: Model, prompts: Sequence[str | Sequence[int]], *, chat: bool = True) -> list[list[int]]:
+    """Token ids per prompt (text through the chat template when `chat`), checked as `generate`
+    checks its prompts."""
+    return _as_batch(list(prompts), model, chat)
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    tokens: tuple[int, ...]  # prompt then the target's answer
+    prompt_length: int
+
+
+def self_distill(target: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int, *,
+                 ignore_eos: bool = False, progress: bool = False) -> list[Example]:
+    """The target answers each prompt greedily; returns prompt + answer per prompt, in order.
+
+    Prompts are batched by length (similar lengths share a padded bucket, hence a compile)."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidRequestError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+        raise InvalidRequestError("self_distill needs at least one prompt")
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: dict[int, list[int]] = {}
+    chunks = [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
+    from tqdm.auto import tqdm
+
+    for chunk in tqdm(chunks, desc="self-distill", unit="batch", disable=not progress):
+        result = generate(target, None, [prompts[i] for i in chunk], max_new_tokens=max_new_tokens,
+                          ignore_eos=ignore_eos)
+        answers.update(zip(chunk, result.tokens))
+    return [Example(tokens=tuple(prompts[i] + answers[i]), prompt_length=len(prompts[i])) for i in range(len(prompts))]
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed data
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dataset:
+    """Right-padded training sequences (host numpy; batches go to the device one at a time)."""
+
+    tokens: np.ndarray  # int32[N, T]
+    lengths: np.ndarray  # int32[N]: valid tokens per row
+    prompt_lengths: np.ndarray  # int32[N]: the first prompt_lengths[n] tokens are the prompt
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+    def batch(self, indices: Sequence[int]) -> dict[str, jax.Array]:
+        """Rows `indices`; an index of -1 is an empty row (length 0: no loss, no accuracy)."""
+        indices = np.asarray(indices)
+        empty = indices < 0
+        safe = np.where(empty, 0, indices)
+        return {
+            "tokens": jnp.asarray(np.where(empty[:, None], 0, self.tokens[safe])),
+            "lengths": jnp.asarray(np.where(empty, 0, self.lengths[safe])),
+            "prompt_lengths": jnp.asarray(np.where(empty, 0, self.prompt_lengths[safe])),
+        }
+
+    def subset(self, indices: Sequence[int]) -> "Dataset":
+        indices = np.asarray(indices, np.int64)
+        return Dataset(self.tokens[indices], self.lengths[indices], self.prompt_lengths[indices])
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for array in (self.tokens, self.lengths, self.prompt_lengths):
+            digest.update(np.ascontiguousarray(array, np.int32).tobytes())
+            digest.update(str(array.shape).encode())
+        return digest.hexdigest()[:16]
+
+    def save(self, path: pathlib.Path) -> None:
+        np.savez(path, tokens=self.tokens, lengths=self.lengths, prompt_lengths=self.prompt_lengths)
+
+    @classmethod
+    def load(cls, path: pathlib.Path) -> "Dataset":
+        try:
+            with np.load(path) as data:
+                return cls(data["tokens"].astype(np.int32), data["lengths"].astype(np.int32),
+                           data["prompt_lengths"].astype(np.int32))
+        except (OSError, KeyError, ValueError) as error:
+            raise CheckpointError(f"{path} is not a readable training data file: {error}") from None
+
+
+def pack(examples: Sequence[Example], seq_len: int) -> Dataset:
+    """Truncate to `seq_len` and right-pad. Rows with no response token inside the window (the
+    prompt fills it, or the answer is empty) teach nothing and are dropped."""
+    if not isinstance(seq_len, int) or seq_len < 4:
+        raise InvalidRequestError(f"seq_len must be an integer >= 4; got {seq_len!r}")
+    kept = [e for e in examples if min(len(e.tokens), seq_len) > e.prompt_length]
+    if not kept:
+        raise InvalidRequestError(
+            f"no example has a response token within seq_len={seq_len}: prompts too long or answers empty")
+    tokens = np.zeros((len(kept), seq_len), np.int32)
+    lengths = np.zeros(len(kept), np.int32)
+    for row, example in enumerate(kept):
+        window = example.tokens[:seq_len]
+        tokens[row, : len(window)] = window
+        lengths[row] = len(window)
+    prompt_lengths = np.asarray([e.prompt_length for e in kept], np.int32)
+    return Dataset(tokens, lengths, prompt_lengths)
+
+
+def response_mask(lengths: jax.Array, prompt_lengths: jax.Array, seq_len: int) -> jax.Array:
+    """bool[B, T]: position t's next-token prediction is a response token of the data
+    (prompt_length - 1 <= t < length - 1). The loss mask, before the head's alignment shift."""
+    positions = jnp.arange(seq_len)[None, :]
+    return (positions >= prompt_lengths[:, None] - 1) & (positions < lengths[:, None] - 1)
+
+
+def split(num_examples: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, validation indices): a seeded shuffle, the validation rows held out."""
+    order = np.random.default_rng([seed, 0xDA7A]).permutation(num_examples)
+    num_val = 0 if num_examples < 2 or val_fraction <= 0 else max(1, round(num_examples * val_fraction))
+    num_val = min(num_val, num_examples - 1)
+    return np.sort(order[num_val:]), np.sort(order[:num_val])
+
+
+@functools.lru_cache(maxsize=8)
+def _epoch_order(seed: int, epoch: int, num_train: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(num_train)
+
+
+def batch_indices(seed: int, step: int, batch_size: int, num_train: int) -> np.ndarray:
+    """Rows of training step `step`: epochs are seeded permutations laid end to end, so the order
+    is a function of (seed, step) alone and a resumed run takes the same batches."""
+    flat = np.arange(step * batch_size, (step + 1) * batch_size)
+    epochs, offsets = np.divmod(flat, num_train)
+    return np.asarray([_epoch_order(seed, int(e), num_train)[o] for e, o in zip(epochs, offsets)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Draft vocabulary
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftVocab:
+    target_ids: np.ndarray  # int64[Vd]: the target id of each draft id, ascending
+    d2t: np.ndarray  # int64[Vd]: target_ids - arange(Vd), what eagle3.to_target_ids adds
+    t2d: np.ndarray  # bool[V]: whether a target id is in the draft vocabulary
+
+    @property
+    def target_to_draft(self) -> np.ndarray:
+        """int32[V]: the draft id of each target id, -1 where it has none."""
+        lookup = np.full(self.t2d.shape, -1, np.int32)
+        lookup[self.target_ids] = np.arange(len(self.target_ids), dtype=np.int32)
+        return lookup
+
+
+def draft_vocab(data: Dataset, vocab_size: int, draft_vocab_size: int) -> DraftVocab:
+    """The `draft_vocab_size` target tokens the head may draft: the most frequent response tokens
+    (what it will be asked to predict), then prompt tokens, then the lowest unused ids, ties broken
+    by the lower id. Draft ids follow target ids in ascending order (d2t >= 0), as in EAGLE-3."""
+    if not isinstance(draft_vocab_size, int) or not 1 <= draft_vocab_size <= vocab_size:
+        raise InvalidRequestError(f"draft_vocab_size must be an integer in [1, {vocab_size}]; got {draft_vocab_size!r}")
+    positions = np.arange(data.seq_len)[None, :]
+    in_response = (positions >= data.prompt_lengths[:, None]) & (positions < data.lengths[:, None])
+    in_prompt = positions < np.minimum(data.prompt_lengths, data.lengths)[:, None]
+    response_counts = np.bincount(data.tokens[in_response], minlength=vocab_size)[:vocab_size]
+    prompt_counts = np.bincount(data.tokens[in_prompt], minlength=vocab_size)[:vocab_size]
+    # lexsort sorts by the last key first: response count, then prompt count (both descending),
+    # then the id (ascending).
+    ranked = np.lexsort((np.arange(vocab_size), -prompt_counts, -response_counts))
+    target_ids = np.sort(ranked[:draft_vocab_size]).astype(np.int64)
+    t2d = np.zeros(vocab_size, bool)
+    t2d[target_ids] = True
+    return DraftVocab(target_ids=target_ids, d2t=target_ids - np.arange(draft_vocab_size), t2d=t2d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Heads for a target
+# ----------------------------------------------------------------------------------------------
+
+def eagle3_config_for(target_cfg, draft_vocab_size: int, aux_layer_ids: tuple[int, ...] | None = None
+                      ) -> eagle3.Eagle3Config:
+    """An EAGLE-3 head shaped like one of the target's layers. Aux layers default to the EAGLE
+    repo's (2, L // 2, L - 3), or (0, L // 2, L - 1) for targets too shallow for those."""
+    layers = target_cfg.num_layers
+    if aux_layer_ids is None:
+        aux_layer_ids = eagle3.default_aux_layers(layers)
+        if not all(0 <= i < layers for i in aux_layer_ids):
+            aux_layer_ids = (0, layers // 2, layers - 1)
+    aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
+    if len(aux_layer_ids) != 3 or not all(0 <= i < layers for i in aux_layer_ids):
+        raise InvalidRequestError(f"aux_layer_ids must be three layer indices in [0, {layers}); got {aux_layer_ids}")
+    return eagle3.Eagle3Config(
+        dim=target_cfg.dim, num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
+        head_dim=target_cfg.head_dim, ffn_dim=target_cfg.ffn_dim, draft_vocab_size=draft_vocab_size,
+        vocab_size=target_cfg.vocab_size, rope_theta=target_cfg.rope_theta, rotary_dim=target_cfg.rotary_dim,
+        norm_eps=target_cfg.norm_eps, max_position_embeddings=target_cfg.max_position_embeddings,
+        aux_layer_ids=aux_layer_ids,
+    )
+
+
+def mtp_config_for(target_cfg) -> mtp.MtpConfig:
+    """An MTP head whose block is one layer of the (Llama-family) target's kind."""
+    if not isinstance(target_cfg, ModelConfig):
+        raise UnsupportedModelError(
+            f"MTP training needs a Llama-family target (its block is a trunk layer); got {type(target_cfg).__name__}")
+    return mtp.MtpConfig(block=dataclasses.replace(target_cfg, num_layers=1))
+
+
+def _lm_head(target: Model) -> jax.Array:
+    return target.params["embed"] if target.config.tie_embeddings else target.params["lm_head"]
+
+
+def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: int, scale: float = 0.02) -> Params:
+    """Initial head params: weights N(0, scale^2) (the lm_head included, as EAGLE-3's trainers
+    start it: copying the target's rows makes a fresh head confidently wrong), norms one, and an
+    EAGLE-3 head's d2t from the draft vocabulary. The embedding (and MTP's lm_head) stay the
+    target's, frozen, passed beside these params.
+
+    Drawn with numpy on the host (shapes from the model module's own init, traced abstractly):
+    jax.random here would cost a compile longer than a short training run.
+    """
+    init = eagle3.init_params if method is Method.EAGLE3 else mtp.init_params
+    shapes = jax.eval_shape(lambda key: init(head_cfg, key), jax.random.PRNGKey(0))
+    rng = np.random.default_rng([seed, 0x4EAD])
+
+    def draw(path, leaf):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name.endswith("norm"):  # input_layernorm, hnorm, post_norm, q_norm, ...
+            return np.ones(leaf.shape, np.float32)
+        return (scale * rng.standard_normal(leaf.shape)).astype(np.float32)
+
+    params = jax.tree_util.tree_map_with_path(draw, shapes)
+    if method is Method.EAGLE3:
+        params["d2t"] = np.asarray(vocab.d2t, np.int32)
+    return jax.tree.map(jnp.asarray, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training configuration and state
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that shapes a run (static under jit; saved with the run and checked on resume)."""
+
+    method: Method = Method.EAGLE3
+    steps: int = 1000
+    batch_size: int = 8
+    learning_rate: float = 3e-4  # peak; SpecForge uses 1e-4 for long runs on large targets
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # the cosine decays to learning_rate * min_lr_ratio
+    weight_decay: float = 0.01
+    grad_clip: float = 0.5  # global-norm clipping
+    ttt_steps: int = 3  # unrolled head steps (the training-time test); 1 = plain teacher forcing
+    step_decay: float = 0.8  # step j's loss weight is step_decay ** j
+    soft_labels: bool = False  # cross-entropy against the target's distribution over the draft vocab
+    draft_vocab_size: int | None = None  # EAGLE-3; None = the target's vocabulary
+    aux_layer_ids: tuple[int, ...] | None = None  # EAGLE-3; None = eagle3_config_for's default
+    val_fraction: float = 0.05
+    eval_every: int = 100
+    save_every: int = 200
+    seed: int = 0
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "method", Method(self.method))
+        except ValueError:
+            raise InvalidRequestError(
+                f"method must be one of {[m.value for m in Method]}; got {self.method!r}") from None
+        if self.aux_layer_ids is not None:
+            object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        positive = ("steps", "batch_size", "ttt_steps", "eval_every", "save_every")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"{name} must be an integer >= 1; got {value!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise InvalidRequestError(f"warmup_steps must be an integer >= 0; got {self.warmup_steps!r}")
+        checks = [
+            ("learning_rate", lambda v: 0 < v < math.inf, "> 0"),
+            ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("weight_decay", lambda v: 0 <= v < math.inf, ">= 0"),
+            ("grad_clip", lambda v: 0 < v < math.inf, "> 0"),
+            ("step_decay", lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("val_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ]
+        for name, ok, rule in checks:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not ok(float(value)):
+                raise InvalidRequestError(f"{name} must be {rule}; got {value!r}")
+        vocab = self.draft_vocab_size
+        if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
+            raise InvalidRequestError(f"draft_vocab_size must be an integer >= 1; got {self.draft_vocab_size!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["method"] = self.method.value
+        out["aux_layer_ids"] = None if self.aux_layer_ids is None else list(self.aux_layer_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        return cls(**data)
+
+
+def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Clip, then AdamW on a linear-warmup cosine schedule; no weight decay on norms (1-D)."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio)
+    decay_mask = lambda params: jax.tree.map(lambda leaf: leaf.ndim > 1, params)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=decay_mask))
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepSpec:
+    """The static half of a train/eval step: what shapes the program."""
+
+    train: TrainConfig
+    target_cfg: Any
+    head_cfg: Any
+    hidden_layers: tuple[int, ...]  # the target's hidden layers the head reads
+
+
+def _trainable(params: Params) -> Params:
+    """The optimised params: all but the EAGLE-3 d2t table (integer, fixed by the data)."""
+    return {name: value for name, value in params.items() if name != "d2t"}
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss: target pass, then the unrolled head
+# ----------------------------------------------------------------------------------------------
+
+# Jitted: one program for training and validation batches alike (the head's steps compile apart).
+@functools.partial(jax.jit, static_argnames=("target_cfg", "hidden_layers"))
+def target_batch(target_params: Params, target_cfg, hidden_layers: tuple[int, ...], batch: dict[str, jax.Array],
+                 draft_ids: jax.Array | None = None) -> dict[str, Any]:
+    """The target's half of a training batch (right-padded; padding follows each row's tokens and
+    attention is causal, so it changes nothing before it):
+
+        tokens      int32[B, T]   the batch's tokens
+        features    tuple of [B, T, D], the target's `hidden_layers` (EAGLE-3: its three aux
+                    layers; MTP: (L,), the final-normed stream)
+        labels      int32[B, T]   the target's own next-token argmax at each position
+        loss_mask   bool[B, T]    position t's prediction is a response token (see response_mask)
+        label_probs [B, T, Vd]    with `draft_ids`: the target's distribution restricted to them
+    """
+    tokens = batch["tokens"]  # int32[B, T]
+    rows, seq_len = tokens.shape
+    cache = models.create_cache(target_cfg, rows, seq_len)
+    logits, features, _ = models.forward(target_params, target_cfg, tokens, cache, hidden_layers=hidden_layers)
+    out = {"tokens": tokens, "features": features, "labels": jnp.argmax(logits, axis=-1).astype(jnp.int32),
+           "loss_mask": response_mask(batch["lengths"], batch["prompt_lengths"], seq_len)}
+    if draft_ids is not None:
+        out["label_probs"] = jax.nn.softmax(jnp.take(logits, draft_ids, axis=-1), axis=-1)
+    return out
+
+
+def _shift_left(x: jax.Array) -> jax.Array:
+    """x[:, p + 1] at p; the last position gets zeros (it is masked wherever it matters)."""
+    return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+
+
+def _head_step(spec: _StepSpec, params: Params, frozen: Params, tokens: jax.Array, g: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """One head forward over the whole sequence in a fresh cache: logits [B, T, Vd], g_next [B, T, D]."""
+    batch, seq_len = tokens.shape
+    if spec.train.method is Method.EAGLE3:
+        cache = eagle3.create_cache(spec.head_cfg, batch, seq_len)
+        logits, g_next, _ = eagle3.forward(params, spec.head_cfg, frozen["embed"], tokens, g, cache)
+    else:
+        cache = mtp.create_cache(spec.head_cfg, batch, seq_len)
+        logits, g_next, _ = mtp.forward(params, spec.head_cfg, frozen["embed"], frozen["lm_head"], tokens, g, cache)
+    return logits, g_next
+
+
+def _loss_terms(params: Params, frozen: Params, targets: dict[str, Any], spec: _StepSpec) -> dict[str, jax.Array]:
+    """Per unrolled step j: summed cross-entropy and its position count, and top-1 agreement with
+    the target (correct, out of all response positions the step can reach). All float32[J].
+    `targets` is `target_batch`'s output."""
+    tokens = targets["tokens"]  # int32[B, T]
+    seq_len = tokens.shape[1]
+    features = targets["features"]
+
+    # Head slot p pairs (feature p, token p + 1) and drafts token p + 2: the target's prediction at p + 1.
+    tokens_in = _shift_left(tokens)  # [B, T]
+    label_target = _shift_left(targets["labels"])  # [B, T]
+    responds = _shift_left(targets["loss_mask"])  # bool[B, T]
+    draft_ids = frozen["draft_ids"]  # int32[Vd]: each draft id's target id
+    if spec.train.soft_labels:
+        label_probs = _shift_left(targets["label_probs"])  # [B, T, Vd]
+        trainable = responds
+    else:
+        label_draft = jnp.take(frozen["target_to_draft"], label_target)  # [B, T]; -1: not draftable
+        trainable = responds & (label_draft >= 0)
+
+    if spec.train.method is Method.EAGLE3:
+        g = eagle3.encode(params, features)  # [B, T, D]
+    else:
+        g = features[0]  # the target's final-normed hidden
+    positions = jnp.arange(seq_len)[None, :]
+
+    def depth_step(g, depth):
+        """One unrolled head step at depth j (a scan: one compiled head forward for all depths)."""
+        logits, g_next = _head_step(spec, params, frozen, tokens_in, g)
+        # At depth j, slot p's feature descends from the target's at p - j: it must exist.
+        reachable = positions >= depth
+        mask = trainable & reachable
+        if spec.train.soft_labels:
+            ce = optax.softmax_cross_entropy(logits, label_probs)
+        else:
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(label_draft, 0))
+        drafted = jnp.take(draft_ids, jnp.argmax(logits, axis=-1))  # [B, T] target ids
+        scored = responds & reachable
+        terms = {"ce_sum": jnp.sum(jnp.where(mask, ce, 0.0)), "count": jnp.sum(mask).astype(jnp.float32),
+                 "correct": jnp.sum((drafted == label_target) & scored).astype(jnp.float32),
+                 "scored": jnp.sum(scored).astype(jnp.float32)}
+        # The next depth reads the head's own output one position back (as drafting chains it).
+        g = jnp.concatenate([jnp.zeros_like(g_next[:, :1]), g_next[:, :-1]], axis=1)
+        return g, terms
+
+    _, terms = jax.lax.scan(depth_step, g, jnp.arange(spec.train.ttt_steps))
+    return terms  # each float32[J]
+
+
+def _weighted_loss(terms: dict[str, jax.Array], step_decay: float) -> jax.Array:
+    weights = step_decay ** jnp.arange(terms["ce_sum"].shape[0], dtype=jnp.float32)
+    return jnp.sum(weights * terms["ce_sum"] / jnp.maximum(terms["count"], 1.0))
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Steps (jitted once per static spec; the target's params are arguments, never closed over)
+# ----------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("params", "opt_state"))
+def _train_step(params: Params, opt_state: Any, frozen: Params, targets: dict[str, Any], *, spec: _StepSpec):
+    def loss_of(trainable):
+        terms = _loss_terms(trainable, frozen, targets, spec)
+        return _weighted_loss(terms, spec.train.step_decay), terms
+
+    (loss, terms), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    updates, opt_state = optimizer(spec.train).update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **terms}
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _eval_step(params: Params, frozen: Params, targets: dict[str, Any], *, spec: _StepSpec):
+    return _loss_terms(params, frozen, targets, spec)
+
+
+def _targets(target_params: Params, frozen: Params, batch: dict[str, jax.Array], spec: _StepSpec) -> dict[str, Any]:
+    draft_ids = frozen["draft_ids"] if spec.train.soft_labels else None
+    return target_batch(target_params, spec.target_cfg, spec.hidden_layers, batch, draft_ids)
+
+
+def _summarise(terms: dict[str, np.ndarray], step_decay: float) -> dict[str, Any]:
+    """loss (the training objective), top1 (the first draft's agreement with the target) and
+    top1_by_step (agreement at each unrolled depth)."""
+    weights = step_decay ** np.arange(len(terms["ce_sum"]))
+    loss = float(np.sum(weights * terms["ce_sum"] / np.maximum(terms["count"], 1.0)))
+    top1 = terms["correct"] / np.maximum(terms["scored"], 1.0)
+    return {"loss": loss, "top1": float(top1[0]), "top1_by_step": [float(t) for t in top1]}
+
+
+def evaluate(params: Params, target_params: Params, frozen: Params, data: Dataset, spec: _StepSpec,
+             batch_size: int) -> dict[str, Any]:
+    """Loss and top-1 agreement over all of `data`, summed exactly across batches (the last batch
+    is padded with empty rows, so every batch has one shape)."""
+    totals: dict[str, np.ndarray] | None = None
+    for start in range(0, len(data), batch_size):
+        indices = list(range(start, min(start + batch_size, len(data))))
+        indices += [-1] * (batch_size - len(indices))
+        targets = _targets(target_params, frozen, data.batch(indices), spec)
+        terms = jax.device_get(_eval_step(_trainable(params), frozen, targets, spec=spec))
+        totals = terms if totals is None else {name: totals[name] + terms[name] for name in totals}
+    return _summarise(totals, spec.train.step_decay)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints (orbax) and head files
+# ----------------------------------------------------------------------------------------------
+
+def _checkpoint_manager(out_dir: pathlib.Path):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False)
+    return ocp.CheckpointManager((out_dir / CHECKPOINT_DIR).absolute(), options=options)
+
+
+def _state_tree(params: Params, opt_state: Any, step: int, seed: int) -> dict[str, Any]:
+    """What a checkpoint holds: params, optimizer state, step, and the data-order seed (the order
+    is a function of seed and step, see batch_indices; training draws no other randomness). The
+    optimizer state goes as its list of leaves: its structure (optax's named tuples) is rebuilt
+    from a fresh `optimizer.init`, which the settings fix."""
+    return {"params": params, "opt_state": list(jax.tree.leaves(opt_state)), "step": np.int64(step),
+            "seed": np.int64(seed)}
+
+
+def _save_checkpoint(manager, step: int, params: Params, opt_state: Any, seed: int) -> None:
+    import orbax.checkpoint as ocp
+
+    host = jax.device_get(_state_tree(params, opt_state, step, seed))  # a copy: the next step donates buffers
+    manager.save(step, args=ocp.args.StandardSave(host))
+    manager.wait_until_finished()
+
+
+def _restore_checkpoint(manager, step: int, params: Params, opt_state: Any, seed: int) -> tuple[Params, Any]:
+    import orbax.checkpoint as ocp
+
+    template = jax.device_get(_state_tree(params, opt_state, step, seed))
+    restored = manager.restore(step, args=ocp.args.StandardRestore(template))
+    if int(restored["step"]) != step or int(restored["seed"]) != seed:
+        raise CheckpointError(f"checkpoint {step} holds step {int(restored['step'])}, seed {int(restored['seed'])}; "
+                              f"expected step {step}, seed {seed}")
+    opt_state = jax.tree.unflatten(jax.tree.structure(opt_state), [jnp.asarray(x) for x in restored["opt_state"]])
+    return jax.tree.map(jnp.asarray, restored["params"]), opt_state
+
+
+def save_mtp_head(directory: str | os.PathLike[str], cfg: mtp.MtpConfig, params: Params) -> None:
+    """An MTP head on its own: model.safetensors (`enorm`, `block.q_proj`, ...) and mtp_head.json
+    (the block's config). `load_mtp_head` reads it; `jaxspec.load` does not (MTP heads otherwise
+    live inside their target's HF directory)."""
+    from safetensors.numpy import save_file
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: np.asarray(value, np.float32) for name, value in params.items() if name != "block"}
+    tensors |= {f"block.{name}": np.asarray(value, np.float32) for name, value in params["block"].items()}
+    save_file(tensors, str(directory / "model.safetensors"))
+    meta = {"format": "jaxspec-mtp-head", "block": checkpoints.config_to_dict(cfg.block),
+            "hidden_first": cfg.hidden_first}
+    (directory / MTP_CONFIG_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+
+
+def load_mtp_head(directory: str | os.PathLike[str]) -> Model:
+    """A head written by `save_mtp_head`, as a draft for `jaxspec.generate(target, head, ...)`."""
+    from safetensors.numpy import load_file
+
+    directory = pathlib.Path(directory)
+    if not (directory / MTP_CONFIG_FILE).is_file():
+        raise CheckpointError(f"{directory} has no {MTP_CONFIG_FILE}: not an MTP head written by jaxspec.train")
+    meta = json.loads((directory / MTP_CONFIG_FILE).read_text(encoding="utf-8"))
+    cfg = mtp.MtpConfig(block=checkpoints.config_from_dict(meta["block"]), hidden_first=bool(meta["hidden_first"]))
+    tensors = load_file(str(directory / "model.safetensors"))
+    params: Params = {"block": {}}
+    for name, value in tensors.items():
+        if name.startswith("block."):
+            params["block"][name[len("block."):]] = jnp.asarray(value)
+        else:
+            params[name] = jnp.asarray(value)
+    return Model(config=cfg, params=params, source=str(directory))
+
+
+# ----------------------------------------------------------------------------------------------
+# The training loop
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    head: Model  # the trained head; a draft for jaxspec.generate
+    config: TrainConfig
+    step: int  # steps done (cfg.steps unless stopped early)
+    history: list[dict[str, float]]  # per step of this process: step, loss, top1
+    validation: dict[str, Any] | None  # the last validation: loss, top1, top1_by_step (None: no split)
+    head_path: pathlib.Path | None  # where the head was written (None until the run is complete)
+
+
+def _head_setup(target: Model, train_data: Dataset, cfg: TrainConfig):
+    """(head config, hidden layers read, draft vocabulary) for this target and data."""
+    vocab_size = target.config.vocab_size
+    if cfg.method is Method.EAGLE3:
+        vocab = draft_vocab(train_data, vocab_size, cfg.draft_vocab_size or vocab_size)
+        head_cfg = eagle3_config_for(target.config, len(vocab.target_ids), cfg.aux_layer_ids)
+        return head_cfg, eagle3.target_hidden_layers(head_cfg.aux_layer_ids), vocab
+    if cfg.draft_vocab_size not in (None, vocab_size):
+        raise InvalidRequestError("an MTP head drafts over the target's whole vocabulary: leave draft_vocab_size unset")
+    identity = np.arange(vocab_size, dtype=np.int64)
+    vocab = DraftVocab(target_ids=identity, d2t=np.zeros(vocab_size, np.int64), t2d=np.ones(vocab_size, bool))
+    return mtp_config_for(target.config), (target.config.num_layers,), vocab
+
+
+def _run_record(cfg: TrainConfig, data: Dataset, target: Model) -> dict[str, Any]:
+    return {"train_config": cfg.to_dict(), "data": data.fingerprint(), "target_config": repr(target.config)}
+
+
+def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: TrainConfig, *,
+          resume: bool = False, stop_after: int | None = None, progress: bool = True) -> TrainResult:
+    """Train a head for `target` on `data`, checkpointing into `out_dir`.
+
+    resume: continue the run whose checkpoints `out_dir` holds (same data and settings, checked);
+        without it, a directory that already holds a run is refused rather than overwritten.
+    stop_after: stop (and checkpoint) after this many total steps, as an interruption would.
+    When the run completes, the head is written: EAGLE-3 into `out_dir` itself (config.json +
+    model.safetensors, what `jaxspec.load(out_dir)` reads), MTP into `out_dir/mtp_head`
+    (`load_mtp_head`).
+    """
+    from tqdm.auto import tqdm
+
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_rows, val_rows = split(len(data), cfg.val_fraction, cfg.seed)
+    train_data, val_data = data.subset(train_rows), data.subset(val_rows)
+    head_cfg, hidden_layers, vocab = _head_setup(target, train_data, cfg)
+    spec = _StepSpec(train=cfg, target_cfg=target.config, head_cfg=head_cfg, hidden_layers=hidden_layers)
+    frozen = {"embed": target.params["embed"],
+              "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
+              "target_to_draft": jnp.asarray(vocab.target_to_draft)}
+    if cfg.method is Method.MTP:
+        frozen["lm_head"] = _lm_head(target)
+
+    initial = init_head(cfg.method, head_cfg, target, vocab, cfg.seed)
+    params = _trainable(initial)
+    opt_state = jax.jit(optimizer(cfg).init)(params)
+    record = _run_record(cfg, data, target)
+    manager = _checkpoint_manager(out_dir)
+    try:
+        start = manager.latest_step() or 0
+        if start and not resume:
+            raise InvalidRequestError(
+                f"{out_dir} already holds a training run (checkpoint at step {start}); resume it "
+                "(resume=True, --resume) or choose another directory")
+        if resume and not start:
+            raise InvalidRequestError(f"nothing to resume: {out_dir} holds no training checkpoint")
+        if start:
+            saved = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
+            ours, theirs = record["train_config"], saved["train_config"]
+            changed = sorted(name for name in ours if theirs.get(name) != ours[name])
+            if changed or saved["data"] != record["data"] or saved["target_config"] != record["target_config"]:
+                what = f"settings {changed}" if changed else "data or target"
+                raise InvalidRequestError(f"cannot resume {out_dir}: its run used different {what}")
+            params, opt_state = _restore_checkpoint(manager, start, params, opt_state, cfg.seed)
+        else:
+            (out_dir / RUN_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
+            data.save(out_dir / DATA_FILE)
+
+        stop = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        history: list[dict[str, float]] = []
+        validation = None
+        done = start
+        with tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.method.value}", unit="step",
+                  disable=not progress) as bar:
+            for step in range(start, stop):
+                batch = train_data.batch(batch_indices(cfg.seed, step, cfg.batch_size, len(train_data)))
+                targets = _targets(target.params, frozen, batch, spec)
+                params, opt_state, metrics = _train_step(params, opt_state, frozen, targets, spec=spec)
+                summary = _summarise(jax.device_get(metrics), cfg.step_decay)
+                done = step + 1
+                history.append({"step": done, "loss": summary["loss"], "top1": summary["top1"]})
+                bar.set_postfix(loss=f"{summary['loss']:.3f}", top1=f"{summary['top1']:.2f}")
+                bar.update()
+                if len(val_data) and (done % cfg.eval_every == 0 or done == cfg.steps):
+                    validation = evaluate(params, target.params, frozen, val_data, spec, cfg.batch_size)
+                    bar.write(f"step {done}: validation loss {validation['loss']:.4f}, "
+                              f"top-1 {validation['top1']:.3f} (by depth "
+                              f"{', '.join(f'{t:.2f}' for t in validation['top1_by_step'])})")
+                if done % cfg.save_every == 0 or done == stop:
+                    _save_checkpoint(manager, done, params, opt_state, cfg.seed)
+    finally:
+        manager.close()
+
+    head_params = dict(params)
+    if cfg.method is Method.EAGLE3:
+        head_params["d2t"] = jnp.asarray(vocab.d2t, jnp.int32)
+    head = Model(config=head_cfg, params=head_params, source=str(out_dir))
+    head_path = None
+    if done == cfg.steps:
+        if cfg.method is Method.EAGLE3:
+            checkpoints.save_eagle3(out_dir, head_cfg, head_params)
+            head_path = out_dir
+        else:
+            head_path = out_dir / MTP_HEAD_DIR
+            save_mtp_head(head_path, head_cfg, head_params)
+    return TrainResult(head=head, config=cfg, step=done, history=history, validation=validation, head_path=head_path)
+
+
+def saved_run(out_dir: str | os.PathLike[str]) -> tuple[TrainConfig, Dataset]:
+    """The settings and data a run in `out_dir` was started with (to resume it as it was)."""
+    out_dir = pathlib.Path(out_dir)
+    if not (out_dir / RUN_FILE).is_file() or not (out_dir / DATA_FILE).is_file():
+        raise InvalidRequestError(f"nothing to resume: {out_dir} holds no training run ({RUN_FILE}, {DATA_FILE})")
+    record = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
+    return TrainConfig.from_dict(record["train_config"]), Dataset.load(out_dir / DATA_FILE)
+
+
+def measure_tau(target: Model, head: Model, prompts: Sequence[Sequence[int]], *, num_draft_tokens: int = 3,
+                max_new_tokens: int = 64, ignore_eos: bool = False) -> SpecStats:
+    """Speculative decoding with the head over `prompts` (greedy): its stats carry tau and the
+    acceptance rate. The output itself is the target's, whatever the head proposes."""
+    return generate(target, head, [list(p) for p in prompts], num_draft_tokens=num_draft_tokens,
+                    max_new_tokens=max_new_tokens, ignore_eos=ignore_eos).stats
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole pipeline (the CLI's `train-head`)
+# ----------------------------------------------------------------------------------------------
+
+# A small built-in prompt set, enough to see a head learn on a laptop. A useful head needs
+# thousands of prompts from the target's own domain: pass a JSONL file.
+DEFAULT_PROMPTS = (
+    "Tell me a joke about computers.", "Explain photosynthesis in simple terms.",
+    "Write a haiku about the sea.", "What is the capital of France, and why is it famous?",
+    "Give three tips for staying focused while studying.", "Describe how a bicycle works.",
+    "Summarise the plot of Romeo and Juliet.", "What are prime numbers? Give examples.",
+    "Write a short story about a lost robot.", "How do I make a cup of tea?",
+    "Explain what a neural network is.", "List five fruits and their colours.",
+    "Why is the sky blue?", "Write a polite email asking for a meeting.",
+    "What is the difference between weather and climate?", "Describe your ideal weekend.",
+    "How does a computer store numbers?", "Give me a recipe for pancakes.",
+    "What causes the seasons on Earth?", "Write a limerick about a cat.",
+    "Explain the rules of chess briefly.", "What is gravity?",
+    "Suggest names for a new coffee shop.", "How do vaccines work?",
+    "Write a Python function that reverses a string.", "What is the water cycle?",
+    "Describe the city of Tokyo.", "Explain recursion to a child.",
+    "What are the benefits of exercise?", "Write a motivational quote and explain it.",
+    "How do airplanes stay in the air?", "What is the Pythagorean theorem?",
+)
+
+
+def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainConfig | None = None, *,
+               prompts: Sequence[str | Sequence[int]] | None = None, seq_len: int = 256,
+               max_new_tokens: int = 128, distill_batch_size: int = 8, chat: bool | None = None,
+               resume: bool = False, tau_prompts: int = 8, num_draft_tokens: int = 3,
+               progress: bool = True) -> tuple[TrainResult, SpecStats | None]:
+    """Load the target (a name or path, or a loaded Model), self-distill `prompts` (default
+    DEFAULT_PROMPTS; `chat` None = the chat template when the tokenizer has one), train, write the
+    head, and measure tau on up to `tau_prompts` held-out prompts. With `resume`, the run in
+    `out_dir` continues with its own saved settings and data (`cfg` and `prompts` are ignored).
+    Arguments are checked before the target loads."""
+    for name, value, least in (("seq_len", seq_len, 4), ("max_new_tokens", max_new_tokens, 1),
+                               ("distill_batch_size", distill_batch_size, 1), ("tau_prompts", tau_prompts, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise InvalidRequestError(f"{name} must be an integer >= {least}; got {value!r}")
+    if resume:
+        cfg, data = saved_run(out_dir)
+    cfg = cfg or TrainConfig()
+    target = model if isinstance(model, Model) else _load_target(model, progress)
+    if not resume:
+        if chat is None:
+            chat = bool(target.tokenizer is not None and target.tokenizer.chat_template)
+        rows = tokenize_prompts(target, list(prompts or DEFAULT_PROMPTS), chat=chat)
+        too_long = [i for i, r in enumerate(rows) if len(r) >= seq_len]
+        if too_long:
+            raise InvalidRequestError(
+                f"prompt {too_long[0]} has {len(rows[too_long[0]])} tokens, not under seq_len={seq_len}")
+        # Answers past the training window would be cut off by `pack`: no need to generate them.
+        answer_length = max(1, min(max_new_tokens, seq_len - min(map(len, rows)),
+                                   target.config.max_position_embeddings - max(map(len, rows))))
+        examples = self_distill(target, rows, answer_length, distill_batch_size, progress=progress)
+        data = pack(examples, seq_len)
+    result = train(target, data, out_dir, cfg, resume=resume, progress=progress)
+    stats = None
+    _, val_rows = split(len(data), cfg.val_fraction, cfg.seed)
+    held_out = [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in val_rows[:tau_prompts]]
+    if held_out and result.head_path is not None:
+        stats = measure_tau(target, result.head, held_out, num_draft_tokens=num_draft_tokens,
+                            max_new_tokens=min(64, max_new_tokens))
+    return result, stats
+
+
+def _load_target(name: str, progress: bool) -> Model:
+    from jaxspec import api
+
+    return api.load(name, progress=progress)
