@@ -430,6 +430,34 @@ def test_speculative_greedy_equals_plain_greedy_ragged(hybrid, reference, method
         assert stats.proposed == k * stats.rounds
 
 
+def _hybrid_draft(method: str):
+    """Random drafts for the hybrid: a separate Llama-family model of the same vocabulary, an
+    EAGLE-3 head reading hybrid layers' streams (the embedding output, then after the DeltaNet
+    layer twice: aux ids are input-of-layer), and an MTP head reading the final-normed stream."""
+    from jaxspec.models import eagle3, llama, mtp
+    from tests.conftest import TINY
+
+    key = jax.random.PRNGKey(7)
+    if method == "draft":
+        return jaxspec.Model(config=TINY, params=llama.init_params(TINY, key, 0.2))
+    if method == "eagle3":
+        cfg = eagle3.Eagle3Config(dim=SPEC_CFG.dim, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=96,
+                                  draft_vocab_size=96, vocab_size=SPEC_CFG.vocab_size, rope_theta=10000.0,
+                                  rotary_dim=16, norm_eps=1e-6, max_position_embeddings=256, aux_layer_ids=(0, 1, 1))
+        return jaxspec.Model(config=cfg, params=eagle3.init_params(cfg, key))
+    block = dataclasses.replace(TINY, dim=SPEC_CFG.dim, num_layers=1, vocab_size=SPEC_CFG.vocab_size)
+    cfg = mtp.MtpConfig(block=block)
+    return jaxspec.Model(config=cfg, params=mtp.init_params(cfg, key))
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle3", "mtp"])
+def test_draft_models_and_heads_on_the_hybrid_equal_plain_greedy(hybrid, reference, method):
+    result = jaxspec.generate(hybrid, _hybrid_draft(method), PROMPTS, num_draft_tokens=3,
+                              max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    _assert_exact(hybrid, PROMPTS, result, reference)
+    assert result.stats.method == method and result.stats.proposed == 3 * result.stats.rounds
+
+
 @pytest.mark.parametrize("method, k, recorded_steps", [("ngram", 4, 16), ("layer_skip", 1, 16), ("layer_skip", 4, 2)])
 def test_speculative_greedy_equals_plain_greedy_batch_of_one(hybrid, reference, method, k, recorded_steps):
     """recorded_steps=2: the target's T = 5 verify records per-position inputs only (the commit
