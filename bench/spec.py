@@ -22,6 +22,9 @@ Also measured:
   * the cost of one target forward at T = 1..9 new tokens relative to T = 1 (cache of capacity
     1024 holding 300 tokens): a round of k drafts runs T = k + 1, so a method beats plain only if
     its tau (tokens committed per round) exceeds cost(k + 1) / cost(1) plus its drafting cost;
+  * sampled decoding at temperature 0.7 and 1.0 (`--temperatures`): plain sampling vs prompt lookup
+    and layer-skip (lossless rejection sampling), tau and speedup, HF's sampled plain and prompt
+    lookup beside them, on the first 2 prompts of each group (`--sampled-prompts`);
   * the layer-skip exit layer and k, picked on 2 prompts (the first qa and mt_bench ones) by
     predicted speedup = tau x cost(1) / round cost, where tau is the exact acceptance of an
     early-exit draft replayed along plain greedy output (one forward per prompt) and the round
@@ -217,10 +220,12 @@ class Method:
     exit_layer: int | None = None
 
 
-def run_jaxspec(model, prompt: Prompt, m: Method, new_tokens: int, timing_stop: int) -> dict:
+def run_jaxspec(model, prompt: Prompt, m: Method, new_tokens: int, timing_stop: int,
+                temperature: float = 0.0, seed: int = 0) -> dict:
     import jaxspec
 
-    kwargs = dict(chat=True, max_new_tokens=new_tokens, ignore_eos=True, method=m.method)
+    kwargs = dict(chat=True, max_new_tokens=new_tokens, ignore_eos=True, method=m.method,
+                  temperature=temperature, seed=seed)
     if m.method != "plain":
         kwargs["num_draft_tokens"] = m.k
     if m.method == "layer_skip":
@@ -250,8 +255,10 @@ class HF:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
-    def generate(self, ids: list[int], new_tokens: int, lookup: int = 0) -> dict:
-        """Greedy `generate`; decode tokens/s = tokens after the first step's over the time after it.
+    def generate(self, ids: list[int], new_tokens: int, lookup: int = 0, temperature: float = 0.0,
+                 seed: int = 0) -> dict:
+        """`generate` (greedy, or sampling at `temperature`); decode tokens/s = tokens after the first
+        step's over the time after it.
 
         A streamer timestamps every step on the host, so prefill (the step that returns the
         first token, or the first accepted block under prompt lookup) is cut out of the same call.
@@ -271,9 +278,12 @@ class HF:
         torch = self.torch
         input_ids = torch.tensor([ids])
         extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+        if temperature > 0:
+            torch.manual_seed(seed)
+            extra |= dict(temperature=temperature, top_k=0, top_p=1.0)
         clock = Clock()
         with torch.inference_mode():
-            out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+            out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=temperature > 0,
                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
                                       streamer=clock, **extra)
             done = time.perf_counter()
@@ -437,6 +447,41 @@ def build_report(args, picked, methods, hf_methods, records, summaries, costs, s
     return "\n".join(lines)
 
 
+def sampling_report(args, sampled: list[dict], with_hf: bool) -> str:
+    """One table per temperature: per group, each method's tau and speedup over plain sampling."""
+    methods = [m for m in args.sample_methods if m.method != "plain"]
+    lines = ["### Sampling (temperature > 0)\n",
+             f"The same loop at temperature {', '.join(str(t) for t in args.temperatures)} (no top-k/top-p), on the "
+             f"first {args.sampled_prompts} prompt(s) of each group, seeded per question; verification is lossless "
+             "rejection sampling (tests/test_spec_sampling.py proves the distribution). Prompt lookup's drafts are "
+             "point masses; layer-skip draws its drafts from its own distribution (`draft_sampling='sample'`). "
+             "HF: `do_sample=True` plain and with `prompt_lookup_num_tokens`, on the first "
+             f"{args.hf_prompts} prompt(s) of each group. Speedups are medians of per-prompt ratios to the same "
+             "engine's plain sampling.\n"]
+    for temperature in args.temperatures:
+        rows = [r for r in sampled if r["temperature"] == temperature]
+        lines.append(f"Temperature {temperature}:\n")
+        head = ["group", "plain tok/s"] + [cell for m in methods for cell in (f"{m.name}: tau", "speedup")]
+        if with_hf:
+            head += ["HF plain tok/s", f"HF prompt lookup k={args.hf_k} speedup"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|---" + "|---:" * (len(head) - 1) + "|")
+        for group in (*GROUPS, "all"):
+            chunk = [r for r in rows if group in ("all", r["group"])]
+            cells = [group, fmt(median(r["plain"]["tps"] for r in chunk), ".1f")]
+            for m in methods:
+                cells.append(fmt(median(r[m.key]["tau"] for r in chunk), ".2f"))
+                cells.append(fmt(median(r[m.key]["tps"] / r["plain"]["tps"] for r in chunk), ".2f", "x"))
+            if with_hf:
+                hf_rows = [r for r in chunk if "hf" in r]
+                cells.append(fmt(median(r["hf"]["tps"] for r in hf_rows), ".1f") if hf_rows else "-")
+                cells.append(fmt(median(r["hf-pld"]["tps"] / r["hf"]["tps"] for r in hf_rows), ".2f", "x")
+                             if hf_rows else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _reading(summaries, methods, hf_methods, costs, args) -> str:
     """A few plain sentences on what the numbers say, against the issue's aims."""
     lookups = [m for m in methods if m.method == "ngram"]
@@ -558,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost-length", type=int, default=300)
     parser.add_argument("--cost-max-t", type=int, help="largest T of the cost curve (default 9; --quick 5)")
     parser.add_argument("--cost-calls", type=int, help="timed calls per T (default 20; --quick 10)")
+    parser.add_argument("--temperatures", type=float, nargs="*", default=[0.7, 1.0],
+                        help="sampled rows at these temperatures (default 0.7 1.0; none: greedy only)")
+    parser.add_argument("--sampled-prompts", type=int, help="prompts per group for the sampled rows (default 2; --quick 1)")
     parser.add_argument("--no-hf", action="store_true", help="jaxspec only")
     parser.add_argument("--no-layer-skip", action="store_true")
     parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
@@ -574,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     args.exit_layers = args.exit_layers or ([8, 16] if quick else [8, 12, 16, 20])
     args.layer_skip_k = args.layer_skip_k or ([1, 2] if quick else [1, 2, 4])
     args.cost_calls = args.cost_calls or (10 if quick else 20)
+    args.sampled_prompts = min(args.prompts, args.sampled_prompts if args.sampled_prompts is not None else (1 if quick else 2))
     args.cost_max_t = args.cost_max_t or (5 if quick else 9)
     if not args.no_layer_skip:
         need = max(args.layer_skip_k) + 1
@@ -696,6 +745,41 @@ def main(argv: list[str] | None = None) -> int:
                      if "hf" in record else "")
                   + f"  [{(time.perf_counter() - began) / 60:.1f} min]", flush=True)
 
+    # 4. Sampling: plain vs the proposers at each temperature on the first `--sampled-prompts` of
+    # each group (the same back-to-back order; drafts drawn from the draft's own distribution for
+    # layer-skip, prompt lookup's are point masses), HF plain and HF prompt lookup beside them.
+    sampled = []
+    if args.temperatures and args.sampled_prompts:
+        sample_methods = [Method("plain", "plain", "plain"),
+                          Method(f"prompt lookup k={args.hf_k}", f"ngram-{args.hf_k}", "ngram", args.hf_k)]
+        if chosen:
+            sample_methods.append(Method(f"layer-skip e={chosen[0]} k={chosen[1]}", "layer_skip", "layer_skip",
+                                         chosen[1], chosen[0]))
+        for temperature in args.temperatures:
+            for group in GROUPS:
+                for index, p in enumerate(picked[group][: args.sampled_prompts]):
+                    ids = model.tokenizer.encode_chat(p.text)
+                    record = {"group": group, "qid": p.question_id, "temperature": temperature}
+                    for m in sample_methods:
+                        r = run_jaxspec(model, p, m, args.max_new_tokens, timing_stop, temperature=temperature,
+                                        seed=p.question_id)
+                        compile_total += r["compile_s"]
+                        record[m.key] = r
+                    if hf is not None and index < args.hf_prompts:
+                        record["hf"] = hf.generate(ids, args.max_new_tokens, temperature=temperature, seed=p.question_id)
+                        record["hf-pld"] = hf.generate(ids, args.max_new_tokens, lookup=args.hf_k,
+                                                       temperature=temperature, seed=p.question_id)
+                    sampled.append(record)
+                    print(f"[t={temperature}] {group:<14} #{p.question_id:<4} "
+                          + "  ".join(f"{m.key} {record[m.key]['tps']:.1f}"
+                                      + (f" ({record[m.key]['tps'] / record['plain']['tps']:.2f}x, "
+                                         f"tau {record[m.key]['tau']:.2f})" if m.method != "plain" else "")
+                                      for m in sample_methods)
+                          + ("  " + "  ".join(f"{key} {record[key]['tps']:.1f}" for key in ("hf", "hf-pld"))
+                             if "hf" in record else "")
+                          + f"  [{(time.perf_counter() - began) / 60:.1f} min]", flush=True)
+        args.sample_methods = sample_methods
+
     if sweep and chosen:
         swept = [r for r in records if r["qid"] in sweep["prompts"] and "layer_skip" in r]
         sweep["measured_tau"] = median(r["layer_skip"]["tau"] for r in swept)
@@ -707,6 +791,9 @@ def main(argv: list[str] | None = None) -> int:
         summaries[group] = group_summary(group_records, methods + hf_methods, hf_ids)
     report = build_report(args, picked, methods, hf_methods, records, summaries, costs, sweep, chosen,
                           mismatches, incomplete, time.perf_counter() - began, compile_total)
+    if sampled:
+        report = report.replace("\nFigure: `bench/spec_speedup.png`",
+                                sampling_report(args, sampled, bool(hf_methods)) + "\nFigure: `bench/spec_speedup.png`", 1)
     print()
     print(report)
     if not args.no_write:

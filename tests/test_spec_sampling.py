@@ -41,8 +41,8 @@ def draft():
     return jaxspec.Model(config=cfg, params=llama.init_params(cfg, jax.random.PRNGKey(1), scale=0.5))
 
 
-def exact_joint(model, settings) -> np.ndarray:
-    """p(t1, t2, t3 | PROMPT) under the processed distribution, by enumeration: [V, V, V]."""
+def exact_joint(model, settings, prompt=PROMPT) -> np.ndarray:
+    """p(t1, t2, t3 | prompt) under the processed distribution, by enumeration: [V, V, V]."""
     V = model.config.vocab_size
     spec = spec_for(**settings)
     forward = jax.jit(llama.forward, static_argnums=1)
@@ -56,17 +56,17 @@ def exact_joint(model, settings) -> np.ndarray:
         params = SamplingParams.create(len(sequences), **settings)
         return np.asarray(distribution(logits[:, -1], params, spec, jnp.asarray(seen)), np.float64)
 
-    p1 = next_probs([PROMPT])[0]
-    p2 = next_probs([PROMPT + [a] for a in range(V)])  # [V, V]
-    p3 = next_probs([PROMPT + [a, b] for a in range(V) for b in range(V)]).reshape(V, V, V)
+    p1 = next_probs([prompt])[0]
+    p2 = next_probs([prompt + [a] for a in range(V)])  # [V, V]
+    p3 = next_probs([prompt + [a, b] for a in range(V) for b in range(V)]).reshape(V, V, V)
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sampled_joint(model, draft_model, settings, **method) -> tuple[np.ndarray, jaxspec.SpecStats]:
+def sampled_joint(model, draft_model, settings, prompt=PROMPT, **method) -> tuple[np.ndarray, jaxspec.SpecStats]:
     V = model.config.vocab_size
     counts = np.zeros((V, V, V), np.int64)
     for seed in range(SEEDS):
-        result = jaxspec.generate(model, draft_model, [PROMPT] * ROWS, max_new_tokens=3, ignore_eos=True,
+        result = jaxspec.generate(model, draft_model, [prompt] * ROWS, max_new_tokens=3, ignore_eos=True,
                                   num_draft_tokens=2, seed=seed, **settings, **method)
         tokens = np.asarray(result.tokens)
         np.add.at(counts, (tokens[:, 0], tokens[:, 1], tokens[:, 2]), 1)
@@ -115,6 +115,17 @@ def test_speculative_sampling_matches_the_exact_distribution(target, draft, name
 def test_plain_sampling_matches_the_exact_distribution(target):
     """The reference itself: the plain loop samples the enumerated distribution."""
     assert_lossless(target, None, dict(temperature=1.0, top_k=6))
+
+
+def test_rounds_where_no_row_drafts_sample_the_exact_distribution(target):
+    """Prompt lookup restricted to 3-gram matches on a prompt without repeats finds nothing in any
+    row, so every round takes the loop's T = 1 branch (no verify of nothing): still lossless."""
+    distinct = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    settings = dict(temperature=0.7, top_p=0.9)
+    counts, stats = sampled_joint(target, None, settings, prompt=distinct, method="ngram", ngram_min=3, ngram_max=3)
+    p_value = chi_square_p_value(counts, exact_joint(target, settings, prompt=distinct))
+    assert p_value > SIGNIFICANCE, f"abstaining rounds changed the distribution: p = {p_value:.2e}"
+    assert stats.proposed == 0 and stats.rounds > 0
 
 
 def _rejection_without_residual(drafts, num_proposed, draft_probs, target_probs, key):

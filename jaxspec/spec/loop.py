@@ -239,37 +239,78 @@ def _count_round(stats: RoundStats, running: jax.Array, num_proposed: jax.Array,
     )
 
 
+def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, drafts: jax.Array,
+            num_proposed: jax.Array, draft_probs: jax.Array | None, key: jax.Array):
+    """Score [pending, d_1 .. d_w] in one target forward (T = w + 1) and accept per row.
+
+    Returns accepted int32[B], committed int32[B, w+1], the proposer's hiddens [B, w+1, D] each,
+    and the cache with the T entries written (length not advanced). w = 0 is a plain step.
+    """
+    batch, width = drafts.shape
+    verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, w+1]
+    logits, hiddens, cache = models.forward(params, spec.cfg, verify_tokens, state.cache,
+                                            hidden_layers=spec.hidden_layers, **spec.forward_options)
+    if width == 0:
+        committed = select(logits[:, 0], request.sampling, spec.sampler, key, state.seen)[:, None]
+        accepted = jnp.zeros((batch,), jnp.int32)
+    elif spec.sampler.greedy and not spec.sampler.repetition_penalty:
+        accepted, committed = greedy_accept(drafts, num_proposed, logits)
+    else:
+        # p at every position, each with the drafts before it counted as context (a
+        # repetition penalty sees them). Greedy rows are point masses: the same rule is exact.
+        seen = None if state.seen is None else positional_seen(state.seen, drafts).reshape(batch * (width + 1), -1)
+        target_probs = distribution(logits.reshape(batch * (width + 1), -1),
+                                    repeat_rows(request.sampling, width + 1), spec.sampler, seen)
+        accepted, committed = rejection_sample(drafts, num_proposed, draft_probs,
+                                               target_probs.reshape(batch, width + 1, -1), key)
+    return accepted, committed, hiddens, cache
+
+
+def _verify_or_step(params, state: DecodeState, request: Request, spec: LoopSpec, drafts, num_proposed,
+                    draft_probs, key):
+    """`_verify` at T = k + 1, or, in a round where no running row has a draft, a plain T = 1
+    step: a verify with nothing to verify costs up to 2-3x a T = 1 forward on a CPU (see
+    bench/RESULTS.md), and a proposer that can abstain (prompt lookup without a match) would
+    pay it every such round. Both branches commit the same token: with no drafts the bonus is
+    the target's own next token, drawn from the same p. Outputs are padded to the k + 1 shape."""
+    k = drafts.shape[1]
+
+    def full(_):
+        return _verify(params, state, request, spec, drafts, num_proposed, draft_probs, key)
+
+    def single(_):
+        accepted, committed, hiddens, cache = _verify(params, state, request, spec, drafts[:, :0],
+                                                      num_proposed, None, key)
+        committed = jnp.pad(committed, ((0, 0), (0, k)))
+        hiddens = tuple(jnp.pad(h, ((0, 0), (0, k), (0, 0))) for h in hiddens)
+        return accepted, committed, hiddens, cache
+
+    anything_to_verify = jnp.any((num_proposed > 0) & state.running)
+    return jax.lax.cond(anything_to_verify, full, single, None)
+
+
 def round_step(params, draft_params, state: DecodeState, request: Request, spec: LoopSpec) -> DecodeState:
     """One round: draft k tokens, verify them in one target forward, commit n + 1 per row."""
     batch = state.num_generated.shape[0]
     k = spec.num_draft
     proposer_state = state.proposer_state
     key, propose_key, verify_key = jax.random.split(state.key, 3)
+    draft_probs = None
     if spec.proposer is not None:
         with jax.named_scope("propose"):
             context = state.context.replace(key=propose_key, sampling=request.sampling)
             proposal, proposer_state = spec.proposer.propose(draft_params, proposer_state, context)
-        drafts, num_proposed = proposal.drafts, proposal.num_proposed
+        drafts, num_proposed, draft_probs = proposal.drafts, proposal.num_proposed, proposal.probs
     else:
         drafts, num_proposed = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32)
 
     with jax.named_scope("verify"):
-        verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, k+1]
-        logits, hiddens, cache = models.forward(params, spec.cfg, verify_tokens, state.cache,
-                                                hidden_layers=spec.hidden_layers, **spec.forward_options)
-        if k == 0:
-            committed = select(logits[:, 0], request.sampling, spec.sampler, verify_key, state.seen)[:, None]
-            accepted = jnp.zeros((batch,), jnp.int32)
-        elif spec.sampler.greedy and not spec.sampler.repetition_penalty:
-            accepted, committed = greedy_accept(drafts, num_proposed, logits)
+        if k > 0 and getattr(spec.proposer, "can_abstain", False):
+            accepted, committed, hiddens, cache = _verify_or_step(params, state, request, spec, drafts,
+                                                                  num_proposed, draft_probs, verify_key)
         else:
-            # p at every position, each with the drafts before it counted as context (a
-            # repetition penalty sees them). Greedy rows are point masses: the same rule is exact.
-            seen = None if state.seen is None else positional_seen(state.seen, drafts).reshape(batch * (k + 1), -1)
-            target_probs = distribution(logits.reshape(batch * (k + 1), -1),
-                                        repeat_rows(request.sampling, k + 1), spec.sampler, seen)
-            accepted, committed = rejection_sample(drafts, num_proposed, proposal.probs,
-                                                   target_probs.reshape(batch, k + 1, -1), verify_key)
+            accepted, committed, hiddens, cache = _verify(params, state, request, spec, drafts, num_proposed,
+                                                          draft_probs, verify_key)
 
     running = state.running
     num_committed = jnp.where(running, accepted + 1, 0)

@@ -9,6 +9,8 @@ three pure methods over its own state pytree:
 
 and a static `target_hidden_layers`: the trunk's residual streams the proposer needs (EAGLE-3's
 aux layers), returned by the prefill and every verify forward, so no second target forward.
+A proposer whose rows may propose nothing (prompt lookup without a match) sets `can_abstain`:
+the loop then runs a plain T = 1 step in rounds where no running row has a draft.
 
 `context` is the loop's token history: `tokens` int32[B, S] holds each row's prompt and committed
 tokens, `length` int32[B] how many (the last one is the pending token the target has not run);
@@ -90,6 +92,7 @@ class PromptLookup:
     ngram_min: int = 1
     name: str = "ngram"
     target_hidden_layers: tuple[int, ...] = ()
+    can_abstain: bool = True  # rows without a match propose nothing (the loop then runs T = 1)
 
     def init(self, draft_params, prefill, capacity):
         return None
