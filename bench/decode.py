@@ -238,7 +238,7 @@ def build_report(args, prompts, prompt_lengths, runs, weight_bytes, bandwidths, 
         f"{gemv_bw / 1e9:.1f} GB/s for a bare jax GEMV and {copy_bw / 1e9:.1f} GB/s for a copy, {verdict}. "
         "Going faster needs fewer bytes per token (bf16 or quantized weights with a fast kernel) or "
         "more tokens per weight read (batching, speculation).\n")
-    if max(machine["load"]) > 1.5:
+    if max(machine["load"]) > 2.5:  # the benchmark alone keeps both cores busy (load ~2)
         lines.append(
             f"Caveat: other jobs were running (load average up to {max(machine['load']):.1f} on "
             f"{os.cpu_count()} cores). torch's OpenMP threads slow down far more than XLA's when a core "
