@@ -1,5 +1,6 @@
 """MTP draft heads: parity with transformers' MtpModel and MTP assisted generation, loading both
-checkpoint layouts, exact speculative decoding, bad input.
+checkpoint layouts, exact speculative decoding, bad input; and the CLI driving draft heads (MTP
+and an EAGLE-3 head directory) on a target that has a tokenizer.
 
 The reference is a tiny random Mellum (JetBrains' architecture, which transformers ships with an
 MTP layer) made dense and full-attention, so its layers are Qwen3 layers (QK-norm, SwiGLU): the
@@ -317,5 +318,24 @@ def test_cli_mtp_uses_the_models_own_head(mellum_dir, target, capsys):
                      "--max-new-tokens", "6", "--no-chat"]) == 0
     out, err = capsys.readouterr()
     assert "mtp k=2: tau" in err
+    plain = jaxspec.generate(target, prompt=prompt, max_new_tokens=6, chat=False)
+    assert plain.text[0].strip() and out.strip() == plain.text[0].strip()
+
+
+def test_cli_eagle3_head_directory(mellum_dir, target, tmp_path, capsys):
+    """`--draft HEAD_DIR` with an EAGLE-3 checkpoint: the method is inferred from the directory,
+    the output is plain greedy's (this target has a tokenizer, so the CLI path runs whole)."""
+    from jaxspec import cli
+    from jaxspec.models import eagle3
+
+    cfg = eagle3.Eagle3Config(dim=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128, draft_vocab_size=64,
+                              vocab_size=VOCAB, rope_theta=10000.0, rotary_dim=16, norm_eps=1e-6,
+                              max_position_embeddings=256, aux_layer_ids=(0, 1, 1))
+    checkpoints.save_eagle3(tmp_path / "head", cfg, eagle3.init_params(cfg, jax.random.PRNGKey(5)))
+    prompt = " ".join(f"w{i}" for i in PROMPTS[0])
+    assert cli.main(["generate", prompt, "--model", str(mellum_dir), "--draft", str(tmp_path / "head"), "-k", "3",
+                     "--max-new-tokens", "6", "--no-chat"]) == 0
+    out, err = capsys.readouterr()
+    assert "eagle3 k=3: tau" in err
     plain = jaxspec.generate(target, prompt=prompt, max_new_tokens=6, chat=False)
     assert plain.text[0].strip() and out.strip() == plain.text[0].strip()
