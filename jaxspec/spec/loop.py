@@ -272,18 +272,25 @@ def _verify_or_step(params, state: DecodeState, request: Request, spec: LoopSpec
     step: a verify with nothing to verify costs up to 2-3x a T = 1 forward on a CPU (see
     bench/RESULTS.md), and a proposer that can abstain (prompt lookup without a match) would
     pay it every such round. Both branches commit the same token: with no drafts the bonus is
-    the target's own next token, drawn from the same p. Outputs are padded to the k + 1 shape."""
+    the target's own next token, drawn from the same p. Outputs are padded to the k + 1 shape,
+    and each branch commits its cache (a hybrid cache's pending per-position states differ in
+    shape with T; committed, they do not)."""
     k = drafts.shape[1]
 
+    def committed_cache(accepted, cache):
+        return cache.advance(jnp.where(state.running, accepted + 1, 0))
+
     def full(_):
-        return _verify(params, state, request, spec, drafts, num_proposed, draft_probs, key)
+        accepted, committed, hiddens, cache = _verify(params, state, request, spec, drafts, num_proposed,
+                                                      draft_probs, key)
+        return accepted, committed, hiddens, committed_cache(accepted, cache)
 
     def single(_):
         accepted, committed, hiddens, cache = _verify(params, state, request, spec, drafts[:, :0],
                                                       num_proposed, None, key)
         committed = jnp.pad(committed, ((0, 0), (0, k)))
         hiddens = tuple(jnp.pad(h, ((0, 0), (0, k), (0, 0))) for h in hiddens)
-        return accepted, committed, hiddens, cache
+        return accepted, committed, hiddens, committed_cache(accepted, cache)
 
     anything_to_verify = jnp.any((num_proposed > 0) & state.running)
     return jax.lax.cond(anything_to_verify, full, single, None)
@@ -304,6 +311,7 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
     else:
         drafts, num_proposed = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32)
 
+    running = state.running
     with jax.named_scope("verify"):
         if k > 0 and getattr(spec.proposer, "can_abstain", False):
             accepted, committed, hiddens, cache = _verify_or_step(params, state, request, spec, drafts,
@@ -311,10 +319,8 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
         else:
             accepted, committed, hiddens, cache = _verify(params, state, request, spec, drafts, num_proposed,
                                                           draft_probs, verify_key)
-
-    running = state.running
+            cache = cache.advance(jnp.where(running, accepted + 1, 0))
     num_committed = jnp.where(running, accepted + 1, 0)
-    cache = cache.advance(num_committed)
     if spec.proposer is not None:
         verified = Verified(accepted=accepted, committed=committed, num_committed=num_committed, hiddens=hiddens)
         proposer_state = spec.proposer.update(draft_params, proposer_state, verified)
