@@ -27,7 +27,6 @@ import os
 import pathlib
 import subprocess
 import platform
-import re
 import statistics
 import sys
 import time
@@ -35,6 +34,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from results_md import peer_versions, replace_section  # bench/ is on sys.path when a bench script runs
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_QUESTIONS = HERE.parent.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
@@ -180,7 +181,7 @@ def build_report(args, prompts, prompt_lengths, runs, weight_bytes, bandwidths, 
         f"{os.cpu_count()} cores, shared (1-minute load average {machine['load'][0]:.1f} at the start, "
         f"{machine['load'][1]:.1f} at the end; engines interleaved prompt by prompt, medians over "
         f"{len(prompts)} prompts x {machine['passes']} pass(es){_bf16_note(runs, len(prompts))}); "
-        f"jax {jax.__version__}, {_versions()}. SmolLM2-135M-Instruct Q4_1 GGUF "
+        f"jax {jax.__version__}, {peer_versions()}. SmolLM2-135M-Instruct Q4_1 GGUF "
         f"dequantized to float32, batch 1, {args.max_new_tokens} greedy tokens (`ignore_eos`), chat "
         f"template, Spec-Bench prompts: "
         + ", ".join(f"{c} #{qid} ({n} tokens)" for (c, qid, _), n in zip(prompts, prompt_lengths))
@@ -269,26 +270,9 @@ def _commit() -> str:
         return "(not a git checkout)"
 
 
-def _versions() -> str:
-    try:
-        import torch
-        import transformers
-
-        return f"torch {torch.__version__}, transformers {transformers.__version__}"
-    except ImportError:
-        return "transformers not installed"
-
-
 def write_section(path: pathlib.Path, section: str) -> None:
-    """Replace this script's section of RESULTS.md (up to the next `## ` heading), keep the rest."""
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    block = section.rstrip("\n") + "\n\n"
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
+    """Replace this script's section of RESULTS.md, keep the rest."""
+    replace_section(path, SECTION, section)
 
 
 # ---------------------------------------------------------------------------------------------

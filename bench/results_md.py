@@ -1,4 +1,5 @@
-"""bench/RESULTS.md holds one `## ` section per benchmark script; each script replaces only its own."""
+"""Shared by the bench scripts: bench/RESULTS.md holds one `## ` section per script, each script
+replacing only its own; and the peer library versions a report names."""
 
 from __future__ import annotations
 
@@ -16,3 +17,14 @@ def replace_section(path: pathlib.Path, heading: str, section: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block
     path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
+
+
+def peer_versions() -> str:
+    """"torch X, transformers Y" for a report's header (the HF peers' versions)."""
+    try:
+        import torch
+        import transformers
+
+        return f"torch {torch.__version__}, transformers {transformers.__version__}"
+    except ImportError:
+        return "transformers not installed"

@@ -54,6 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from results_md import peer_versions, replace_section  # bench/ is on sys.path when a bench script runs
+
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loading bars in the log
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_QUESTIONS = HERE.parent.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
@@ -333,7 +335,7 @@ def build_report(args, picked, methods, hf_methods, records, summaries, costs, s
         f"{datetime.date.today().isoformat()}; {platform.processor() or platform.machine()}, 2 cores, shared "
         f"with other work (timings noisy: methods run back to back per prompt, figures are medians over "
         f"prompts, speedups are per-prompt ratios to plain on the same prompt); jax {jax.__version__}, "
-        f"{_versions()}. SmolLM2-135M-Instruct Q4_1 GGUF dequantized to float32, batch 1, "
+        f"{peer_versions()}. SmolLM2-135M-Instruct Q4_1 GGUF dequantized to float32, batch 1, "
         f"{args.max_new_tokens} greedy tokens (`ignore_eos`), chat template, first turns of Spec-Bench "
         f"questions: {args.prompts} per group (the first by question_id; mt_bench takes its eight "
         f"categories in turn), {total_prompts} in all; HF transformers on the first {args.hf_prompts} of "
@@ -516,20 +518,8 @@ def _nan_low(value: float) -> float:
     return -math.inf if math.isnan(value) else value
 
 
-def _versions() -> str:
-    try:
-        import torch
-        import transformers
-
-        return f"torch {torch.__version__}, transformers {transformers.__version__}"
-    except ImportError:
-        return "transformers not installed"
-
-
 def write_section(path: pathlib.Path, section: str) -> None:
     """Replace this script's section of RESULTS.md, keep the rest."""
-    from results_md import replace_section  # bench/ is on sys.path when a bench script runs
-
     replace_section(path, SECTION, section)
 
 
