@@ -248,38 +248,40 @@ def _proposer(model: Model, draft_params, method, num_draft_tokens, ngram_max, n
     return method, proposer, draft_params
 
 
-def _eagle3_proposer(model: Model, head: Model | None, k: int, draft_sampling, sampler) -> proposers.Eagle3:
-    """Check an EAGLE-3 head against its target, before anything is traced."""
-    if head is None or not isinstance(head.config, eagle3.Eagle3Config):
-        raise InvalidRequestError("method='eagle3' needs draft_params: an EAGLE-3 head from jaxspec.load(HEAD_DIR)")
+def _check_head(model: Model, head, config_class, method: str, name: str, how_to_load: str):
+    """A draft head's config, checked against its target (hidden size, vocabulary) before tracing."""
+    if not isinstance(head, Model) or not isinstance(head.config, config_class):
+        raise InvalidRequestError(f"method={method!r} needs draft_params: an {name} head from {how_to_load}")
     cfg, target = head.config, model.config
     if cfg.dim != target.dim:
-        raise InvalidRequestError(f"the EAGLE-3 head's hidden_size ({cfg.dim}) differs from the target's ({target.dim})")
+        raise InvalidRequestError(f"the {name} head's hidden_size ({cfg.dim}) differs from the target's ({target.dim})")
     if cfg.vocab_size != target.vocab_size:
         raise InvalidRequestError(
-            f"the EAGLE-3 head maps into a vocabulary of {cfg.vocab_size}; the target's is {target.vocab_size}")
-    aux = cfg.resolved_aux_layers(target.num_layers)
-    if len(aux) != 3 or any(not 0 <= i < target.num_layers for i in aux):
-        raise InvalidRequestError(
-            f"EAGLE-3 aux layer ids {aux} must be three layer indices in [0, {target.num_layers}) of the target")
+            f"the {name} head's vocabulary ({cfg.vocab_size}) differs from the target's ({target.vocab_size})")
+    return cfg
+
+
+def _eagle3_proposer(model: Model, head: Model | None, k: int, draft_sampling, sampler) -> proposers.Eagle3:
+    cfg = _check_head(model, head, eagle3.Eagle3Config, "eagle3", "EAGLE-3", "jaxspec.load(HEAD_DIR)")
+    layers = model.config.num_layers
+    aux = cfg.resolved_aux_layers(layers)
+    if len(aux) != 3 or any(not 0 <= i < layers for i in aux):
+        raise InvalidRequestError(f"EAGLE-3 aux layer ids {aux} must be three layer indices in [0, {layers}) of the target")
     sample = not sampler.greedy and draft_sampling != "argmax"
     return proposers.Eagle3(num_draft=k, config=cfg, aux_layer_ids=tuple(aux), sample=sample,
                             sampler=sampler if sample else None)
 
 
 def _mtp_proposer(model: Model, head: Model, k: int, draft_sampling, sampler) -> proposers.Mtp:
-    """Check an MTP head against its target, before anything is traced."""
-    if not isinstance(head, Model) or not isinstance(head.config, mtp.MtpConfig):
-        raise InvalidRequestError("method='mtp' needs draft_params: an MTP head from jaxspec.load_mtp(MODEL_DIR)")
-    cfg, target = head.config, model.config
-    if cfg.dim != target.dim:
-        raise InvalidRequestError(f"the MTP head's hidden_size ({cfg.dim}) differs from the target's ({target.dim})")
-    if cfg.vocab_size != target.vocab_size:
-        raise InvalidRequestError(
-            f"the MTP head's vocabulary ({cfg.vocab_size}) differs from the target's ({target.vocab_size})")
+    cfg = _check_head(model, head, mtp.MtpConfig, "mtp", "MTP", "jaxspec.load_mtp(MODEL_DIR)")
     sample = not sampler.greedy and draft_sampling != "argmax"
-    return proposers.Mtp(num_draft=k, config=cfg, target_layers=target.num_layers, sample=sample,
+    return proposers.Mtp(num_draft=k, config=cfg, target_layers=model.config.num_layers, sample=sample,
                          sampler=sampler if sample else None)
+
+
+def lm_head_of(model: Model) -> jax.Array:
+    """The target's output projection [V, D]: its embedding when tied. An MTP head speaks through it."""
+    return model.params["embed"] if model.config.tie_embeddings else model.params["lm_head"]
 
 
 def _draft_arguments(model: Model, prepared: "_Prepared"):
@@ -290,8 +292,7 @@ def _draft_arguments(model: Model, prepared: "_Prepared"):
     if prepared.method == "eagle3":
         return {"head": prepared.draft.params, "embed": model.params["embed"]}
     if prepared.method == "mtp":
-        lm_head = model.params["embed"] if model.config.tie_embeddings else model.params["lm_head"]
-        return {"head": prepared.draft.params, "embed": model.params["embed"], "lm_head": lm_head}
+        return {"head": prepared.draft.params, "embed": model.params["embed"], "lm_head": lm_head_of(model)}
     return prepared.draft.params
 
 

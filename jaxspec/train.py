@@ -55,7 +55,7 @@ import numpy as np
 import optax
 
 from jaxspec import checkpoints, models
-from jaxspec.api import Model, SpecStats, _as_batch, generate
+from jaxspec.api import Model, SpecStats, _as_batch, generate, lm_head_of
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 from jaxspec.models import eagle3, mtp
@@ -314,10 +314,6 @@ def mtp_config_for(target_cfg) -> mtp.MtpConfig:
         raise UnsupportedModelError(
             f"MTP training needs a Llama-family target (its block is a trunk layer); got {type(target_cfg).__name__}")
     return mtp.MtpConfig(block=dataclasses.replace(target_cfg, num_layers=1))
-
-
-def _lm_head(target: Model) -> jax.Array:
-    return target.params["embed"] if target.config.tie_embeddings else target.params["lm_head"]
 
 
 def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: int, scale: float = 0.02) -> Params:
@@ -719,7 +715,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
               "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
               "target_to_draft": jnp.asarray(vocab.target_to_draft)}
     if cfg.method is Method.MTP:
-        frozen["lm_head"] = _lm_head(target)
+        frozen["lm_head"] = lm_head_of(target)
 
     initial = init_head(cfg.method, head_cfg, target, vocab, cfg.seed)
     params = _trainable(initial)
