@@ -244,7 +244,8 @@ def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, drafts
     """Score [pending, d_1 .. d_w] in one target forward (T = w + 1) and accept per row.
 
     Returns accepted int32[B], committed int32[B, w+1], the proposer's hiddens [B, w+1, D] each,
-    and the cache with the T entries written (length not advanced). w = 0 is a plain step.
+    and the cache advanced by each running row's accepted + 1 (the rest rolled back by length;
+    a hybrid cache selects its recorded state). w = 0 is a plain step.
     """
     batch, width = drafts.shape
     verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, w+1]
@@ -263,7 +264,7 @@ def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, drafts
                                     repeat_rows(request.sampling, width + 1), spec.sampler, seen)
         accepted, committed = rejection_sample(drafts, num_proposed, draft_probs,
                                                target_probs.reshape(batch, width + 1, -1), key)
-    return accepted, committed, hiddens, cache
+    return accepted, committed, hiddens, cache.advance(jnp.where(state.running, accepted + 1, 0))
 
 
 def _verify_or_step(params, state: DecodeState, request: Request, spec: LoopSpec, drafts, num_proposed,
@@ -272,25 +273,20 @@ def _verify_or_step(params, state: DecodeState, request: Request, spec: LoopSpec
     step: a verify with nothing to verify costs up to 2-3x a T = 1 forward on a CPU (see
     bench/RESULTS.md), and a proposer that can abstain (prompt lookup without a match) would
     pay it every such round. Both branches commit the same token: with no drafts the bonus is
-    the target's own next token, drawn from the same p. Outputs are padded to the k + 1 shape,
-    and each branch commits its cache (a hybrid cache's pending per-position states differ in
-    shape with T; committed, they do not)."""
+    the target's own next token, drawn from the same p. Outputs are padded to the k + 1 shape;
+    the caches match because `_verify` commits them (a hybrid cache's pending per-position
+    states differ in shape with T; committed, they do not)."""
     k = drafts.shape[1]
 
-    def committed_cache(accepted, cache):
-        return cache.advance(jnp.where(state.running, accepted + 1, 0))
-
     def full(_):
-        accepted, committed, hiddens, cache = _verify(params, state, request, spec, drafts, num_proposed,
-                                                      draft_probs, key)
-        return accepted, committed, hiddens, committed_cache(accepted, cache)
+        return _verify(params, state, request, spec, drafts, num_proposed, draft_probs, key)
 
     def single(_):
         accepted, committed, hiddens, cache = _verify(params, state, request, spec, drafts[:, :0],
                                                       num_proposed, None, key)
         committed = jnp.pad(committed, ((0, 0), (0, k)))
         hiddens = tuple(jnp.pad(h, ((0, 0), (0, k), (0, 0))) for h in hiddens)
-        return accepted, committed, hiddens, committed_cache(accepted, cache)
+        return accepted, committed, hiddens, cache
 
     anything_to_verify = jnp.any((num_proposed > 0) & state.running)
     return jax.lax.cond(anything_to_verify, full, single, None)
@@ -319,7 +315,6 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
         else:
             accepted, committed, hiddens, cache = _verify(params, state, request, spec, drafts, num_proposed,
                                                           draft_probs, verify_key)
-            cache = cache.advance(jnp.where(running, accepted + 1, 0))
     num_committed = jnp.where(running, accepted + 1, 0)
     if spec.proposer is not None:
         verified = Verified(accepted=accepted, committed=committed, num_committed=num_committed, hiddens=hiddens)
