@@ -42,10 +42,14 @@ class Model:
 
 
 def load(name_or_path: str = DEFAULT_MODEL, *, use_cache: bool = True, progress: bool = False) -> Model:
-    """Load a model: "smollm2-135m" (the default), a GGUF file, an HF or a converted directory."""
+    """Load a model: "smollm2-135m" (the default), a GGUF file, an HF or a converted directory; or a
+    draft head: "eagle3-smollm2-135m" (shipped), an EAGLE-3 head or a trained MTP head directory."""
     path = checkpoints.resolve_model(name_or_path)
     if checkpoints.is_eagle3_dir(path):  # a draft head: no trunk, no tokenizer of its own
         config, params = checkpoints.load_eagle3(path)
+        return Model(config=config, params=params, source=str(path))
+    if checkpoints.is_mtp_head_dir(path):  # an MTP head trained by jaxspec.train
+        config, params = checkpoints.load_mtp_head(path)
         return Model(config=config, params=params, source=str(path))
     ckpt = checkpoints.load_checkpoint(path, use_cache=use_cache, progress=progress)
     source = ckpt.tokenizer_source

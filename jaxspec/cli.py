@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 from jaxspec import api, checkpoints
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import InvalidRequestError, JaxspecError
 
 EXIT_BAD_INPUT = 2
 
@@ -62,7 +63,14 @@ def _build_parser() -> argparse.ArgumentParser:
     head.add_argument("--out", required=True,
                       help="the run's directory: checkpoints, data, and the head (EAGLE-3: generate with --draft OUT)")
     head.add_argument("--prompts", default=None,
-                      help='a JSONL file, one {"prompt": ...} or {"text": ...} per line (default: a small built-in set)')
+                      help='a JSONL file, one {"prompt": ...} or {"text": ...} per line (default: jaxspec\'s '
+                           'self-instruct topic prompts, answered by the model)')
+    head.add_argument("--data", default=None,
+                      help="reuse already distilled data: another run's train_data.npz (skips self-distillation)")
+    head.add_argument("--num-prompts", type=int, default=640, help="self-instruct: topic prompts (stage 1)")
+    head.add_argument("--num-passage-prompts", type=int, default=192,
+                      help="self-instruct: prompts over the model's own stage-1 articles (stage 2)")
+    head.add_argument("--distill-batch-size", type=int, default=32, help="rows per batched generate when distilling")
     head.add_argument("--steps", type=int, default=1000)
     head.add_argument("--batch-size", type=int, default=8)
     head.add_argument("--seq-len", type=int, default=256, help="training window: prompt + answer tokens")
@@ -73,7 +81,14 @@ def _build_parser() -> argparse.ArgumentParser:
     head.add_argument("--warmup-steps", type=int, default=50)
     head.add_argument("--ttt-steps", type=int, default=3, help="unrolled head steps per position (training-time test)")
     head.add_argument("--soft-labels", action="store_true",
-                      help="learn the target's distribution over the draft vocabulary, not its argmax")
+                      help="learn the target's distribution over the draft vocabulary, not its argmax "
+                           "(recomputes the target every step: no feature cache)")
+    head.add_argument("--no-feature-cache", action="store_true",
+                      help="recompute the target's features every step instead of caching them once on disk")
+    head.add_argument("--feature-cache", default=None,
+                      help="the feature cache's directory (default OUT/features); runs on the same data may share it")
+    head.add_argument("--head-dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="the written head's weights (bfloat16: half the bytes)")
     head.add_argument("--val-fraction", type=float, default=0.05)
     head.add_argument("--eval-every", type=int, default=100)
     head.add_argument("--save-every", type=int, default=200)
@@ -120,14 +135,21 @@ def _generate(args) -> None:
 def _train_head(args) -> None:
     from jaxspec import train  # optax and orbax load only for training
 
+    if args.prompts is not None and args.data is not None:
+        raise InvalidRequestError("--prompts and --data both give the training data: pass one")
     prompts = None if args.resume or args.prompts is None else train.read_prompts_jsonl(args.prompts)
+    data = None if args.resume or args.data is None else train.Dataset.load(pathlib.Path(args.data))
     config = None if args.resume else train.TrainConfig(
         method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
         warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, soft_labels=args.soft_labels,
+        cache_features=not (args.no_feature_cache or args.soft_labels),
         draft_vocab_size=args.draft_vocab_size, val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed)
-    result, stats = train.train_head(args.model, args.out, config, prompts=prompts, seq_len=args.seq_len,
-                                     max_new_tokens=args.max_new_tokens, chat=args.chat, resume=args.resume)
+    result, stats = train.train_head(args.model, args.out, config, prompts=prompts, data=data, seq_len=args.seq_len,
+                                     max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
+                                     num_passage_prompts=args.num_passage_prompts,
+                                     distill_batch_size=args.distill_batch_size, chat=args.chat, resume=args.resume,
+                                     feature_dir=args.feature_cache, head_dtype=args.head_dtype)
     summary = f"{result.config.method.value} head: {result.step} steps"
     if result.validation is not None:
         summary += f", validation loss {result.validation['loss']:.3f}, top-1 {result.validation['top1']:.3f}"

@@ -8,12 +8,13 @@ The pipeline, each stage a plain function:
                                                          distribution it will be verified against
     batches   pack                                       right-padded int32[N, T] + lengths
     vocab     draft_vocab                                the Vd most frequent response tokens -> d2t, t2d
-    features  target_batch                               the target's aux hiddens, its own next-token
-                                                         argmax and the loss mask, recomputed per batch
-                                                         (no feature files)
+    features  cache_features / target_batch              the target's aux hiddens and its own next-token
+                                                         argmax: computed once per row into a chunked
+                                                         on-disk FeatureCache (default), or recomputed
+                                                         per batch (soft labels)
     training  train                                      AdamW + warmup/cosine + clipping, the EAGLE-3
                                                          training-time test, orbax checkpoints, resumable
-    output    save_eagle3 (jaxspec.load reads it) / save_mtp_head (load_mtp_head reads it)
+    output    save_eagle3 / save_mtp_head (checkpoints; jaxspec.load reads both)
 
 Alignment (the inference convention of models/eagle3.py and models/mtp.py): head slot p reads
 (target feature p, token p + 1) and drafts token p + 2; the label is what the *target* predicts at
@@ -65,8 +66,8 @@ Params = dict[str, Any]
 DATA_FILE = "train_data.npz"
 RUN_FILE = "train_run.json"
 CHECKPOINT_DIR = "train_checkpoints"
+FEATURE_DIR = "features"
 MTP_HEAD_DIR = "mtp_head"
-MTP_CONFIG_FILE = "mtp_head.json"
 
 
 class Method(enum.Enum):
@@ -360,6 +361,7 @@ class TrainConfig:
     ttt_steps: int = 3  # unrolled head steps (the training-time test); 1 = plain teacher forcing
     step_decay: float = 0.8  # step j's loss weight is step_decay ** j
     soft_labels: bool = False  # cross-entropy against the target's distribution over the draft vocab
+    cache_features: bool = True  # the target runs once per row into a FeatureCache, not once per step
     draft_vocab_size: int | None = None  # EAGLE-3; None = the target's vocabulary
     aux_layer_ids: tuple[int, ...] | None = None  # EAGLE-3; None = eagle3_config_for's default
     val_fraction: float = 0.05
@@ -394,6 +396,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not ok(float(value)):
                 raise InvalidRequestError(f"{name} must be {rule}; got {value!r}")
+        if self.soft_labels and self.cache_features:
+            raise InvalidRequestError(
+                "soft_labels needs the target's whole distribution at every step, which the feature cache "
+                "does not keep: set cache_features=False (--no-feature-cache) with soft labels")
         vocab = self.draft_vocab_size
         if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
             raise InvalidRequestError(f"draft_vocab_size must be an integer >= 1; got {self.draft_vocab_size!r}")
@@ -461,6 +467,106 @@ def target_batch(target_params: Params, target_cfg, hidden_layers: tuple[int, ..
     if draft_ids is not None:
         out["label_probs"] = jax.nn.softmax(jnp.take(logits, draft_ids, axis=-1), axis=-1)
     return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FeatureCache:
+    """The target's half of every row of a Dataset, computed once and kept on disk in chunks.
+
+    Recomputing the target per step costs a full forward over B x T tokens (for SmolLM2-135M at
+    8 x 256, ~0.55 TFLOP: more than the head's forward and backward); cached, each epoch after the
+    first costs only the head. Per chunk of `chunk_rows` rows, two memory-mapped .npy files:
+
+        features_{c}.npy   float16[n, F, T, D]   the target's hidden layers (F = len(hidden_layers))
+        labels_{c}.npy     int32[n, T]           the target's next-token argmax per position
+
+    float16 halves the bytes of float32 (SmolLM2's residual stream stays far inside its range;
+    a chunk that overflows is refused). `meta.json` records the data fingerprint, the layers and the
+    target, so a cache built for other data or another target is never read; one built with more
+    layers serves any subset of them (an EAGLE-3 and an MTP head can share one cache). A chunk
+    appears atomically (written aside, then renamed), so an interrupted build resumes at the next
+    chunk.
+    """
+
+    directory: pathlib.Path
+    chunk_rows: int
+    layers: tuple[int, ...]  # the hidden layers stored, in order
+    features: tuple[np.ndarray, ...]  # per chunk float16[n, F, T, D] (memory-mapped)
+    labels: tuple[np.ndarray, ...]  # per chunk int32[n, T]
+
+    def rows(self, indices: np.ndarray, layers: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(float32[B, F', T, D], int32[B, T]) for data rows `indices` and `layers` (default: all
+        stored); -1 gives a zero row."""
+        select = [self.layers.index(layer) for layer in (layers or self.layers)]
+        feats, labels = [], []
+        for index in np.asarray(indices):
+            chunk, offset = divmod(max(int(index), 0), self.chunk_rows)
+            feats.append(self.features[chunk][offset, select])
+            labels.append(self.labels[chunk][offset])
+        feats, labels = np.stack(feats).astype(np.float32), np.stack(labels)
+        empty = np.asarray(indices) < 0
+        feats[empty], labels[empty] = 0.0, 0
+        return feats, labels
+
+
+FEATURE_META = "meta.json"
+
+
+def cache_features(target: Model, data: Dataset, hidden_layers: tuple[int, ...], directory: str | os.PathLike[str],
+                   *, batch_size: int = 8, chunk_rows: int = 64, progress: bool = False) -> FeatureCache:
+    """Run the target over every row of `data` once (batches of `batch_size`, one compile) and keep
+    its `hidden_layers` and next-token argmax in `directory` (see FeatureCache). Chunks already
+    there for the same data and target, holding these layers or more, are reused."""
+    from tqdm.auto import tqdm
+
+    if chunk_rows % batch_size:
+        raise InvalidRequestError(f"chunk_rows ({chunk_rows}) must be a multiple of batch_size ({batch_size})")
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {"data": data.fingerprint(), "target_config": repr(target.config), "dtype": "float16",
+            "hidden_layers": list(hidden_layers), "chunk_rows": chunk_rows}
+    meta_path = directory / FEATURE_META
+    if meta_path.is_file():
+        saved = json.loads(meta_path.read_text(encoding="utf-8"))
+        same_source = all(saved.get(key) == meta[key] for key in ("data", "target_config", "dtype"))
+        if same_source and set(hidden_layers) <= set(saved.get("hidden_layers", ())):
+            meta = saved  # this data's cache, with our layers among its own: read ours out of it
+        else:
+            for stale in directory.glob("*.npy"):  # built for other data, layers or target
+                stale.unlink()
+    meta_path.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    stored, chunk_rows = tuple(meta["hidden_layers"]), int(meta["chunk_rows"])
+    if chunk_rows % batch_size:  # a reused cache's chunks: fill them in whole batches still
+        batch_size = math.gcd(batch_size, chunk_rows)
+    num_chunks = -(-len(data) // chunk_rows)
+    names = [(directory / f"features_{c:05d}.npy", directory / f"labels_{c:05d}.npy") for c in range(num_chunks)]
+    todo = [c for c, (feat, lab) in enumerate(names) if not (feat.is_file() and lab.is_file())]
+    with tqdm(total=len(data), initial=(num_chunks - len(todo)) * chunk_rows if todo else len(data),
+              desc="target features", unit="row", disable=not progress) as bar:
+        for chunk in todo:
+            start = chunk * chunk_rows
+            rows = list(range(start, min(start + chunk_rows, len(data))))
+            feats, labels = [], []
+            for first in range(0, len(rows), batch_size):
+                indices = rows[first: first + batch_size]
+                padded = indices + [-1] * (batch_size - len(indices))
+                out = target_batch(target.params, target.config, stored, data.batch(padded))
+                stacked = np.stack([np.asarray(f) for f in out["features"]], axis=1)  # [B, F, T, D]
+                feats.append(stacked[: len(indices)].astype(np.float16))
+                labels.append(np.asarray(out["labels"])[: len(indices)])
+                bar.update(len(indices))
+            feats, labels = np.concatenate(feats), np.concatenate(labels)
+            if not np.isfinite(feats).all():
+                raise UnsupportedModelError(
+                    f"the target's hidden states overflow float16 in rows {rows[0]}..{rows[-1]}; "
+                    "train without the feature cache (cache_features=False)")
+            for path, array in zip(names[chunk], (feats, labels)):
+                aside = path.with_suffix(".partial.npy")
+                np.save(aside, array)
+                os.replace(aside, path)
+    return FeatureCache(directory=directory, chunk_rows=chunk_rows, layers=stored,
+                        features=tuple(np.load(feat, mmap_mode="r") for feat, _ in names),
+                        labels=tuple(np.load(lab, mmap_mode="r") for _, lab in names))
 
 
 def _shift_left(x: jax.Array) -> jax.Array:
@@ -571,15 +677,17 @@ def _summarise(terms: dict[str, np.ndarray], step_decay: float) -> dict[str, Any
     return {"loss": loss, "top1": float(top1[0]), "top1_by_step": [float(t) for t in top1]}
 
 
-def evaluate(params: Params, target_params: Params, frozen: Params, data: Dataset, spec: _StepSpec,
+def evaluate(params: Params, frozen: Params, rows: Sequence[int], targets_for, spec: _StepSpec,
              batch_size: int) -> dict[str, Any]:
-    """Loss and top-1 agreement over all of `data`, summed exactly across batches (the last batch
-    is padded with empty rows, so every batch has one shape)."""
+    """Loss and top-1 agreement over data rows `rows`, summed exactly across batches (the last
+    batch is padded with empty rows, so every batch has one shape). `targets_for(indices)` gives
+    the target's half of a batch (see `train`)."""
     totals: dict[str, np.ndarray] | None = None
-    for start in range(0, len(data), batch_size):
-        indices = list(range(start, min(start + batch_size, len(data))))
+    rows = list(rows)
+    for start in range(0, len(rows), batch_size):
+        indices = rows[start: start + batch_size]
         indices += [-1] * (batch_size - len(indices))
-        targets = _targets(target_params, frozen, data.batch(indices), spec)
+        targets = targets_for(np.asarray(indices))
         terms = jax.device_get(_eval_step(_trainable(params), frozen, targets, spec=spec))
         totals = terms if totals is None else {name: totals[name] + terms[name] for name in totals}
     return _summarise(totals, spec.train.step_decay)
@@ -625,41 +733,6 @@ def _restore_checkpoint(manager, step: int, params: Params, opt_state: Any, seed
     return jax.tree.map(jnp.asarray, restored["params"]), opt_state
 
 
-def save_mtp_head(directory: str | os.PathLike[str], cfg: mtp.MtpConfig, params: Params) -> None:
-    """An MTP head on its own: model.safetensors (`enorm`, `block.q_proj`, ...) and mtp_head.json
-    (the block's config). `load_mtp_head` reads it; `jaxspec.load` does not (MTP heads otherwise
-    live inside their target's HF directory)."""
-    from safetensors.numpy import save_file
-
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: np.asarray(value, np.float32) for name, value in params.items() if name != "block"}
-    tensors |= {f"block.{name}": np.asarray(value, np.float32) for name, value in params["block"].items()}
-    save_file(tensors, str(directory / "model.safetensors"))
-    meta = {"format": "jaxspec-mtp-head", "block": checkpoints.config_to_dict(cfg.block),
-            "hidden_first": cfg.hidden_first}
-    (directory / MTP_CONFIG_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-
-
-def load_mtp_head(directory: str | os.PathLike[str]) -> Model:
-    """A head written by `save_mtp_head`, as a draft for `jaxspec.generate(target, head, ...)`."""
-    from safetensors.numpy import load_file
-
-    directory = pathlib.Path(directory)
-    if not (directory / MTP_CONFIG_FILE).is_file():
-        raise CheckpointError(f"{directory} has no {MTP_CONFIG_FILE}: not an MTP head written by jaxspec.train")
-    meta = json.loads((directory / MTP_CONFIG_FILE).read_text(encoding="utf-8"))
-    cfg = mtp.MtpConfig(block=checkpoints.config_from_dict(meta["block"]), hidden_first=bool(meta["hidden_first"]))
-    tensors = load_file(str(directory / "model.safetensors"))
-    params: Params = {"block": {}}
-    for name, value in tensors.items():
-        if name.startswith("block."):
-            params["block"][name[len("block."):]] = jnp.asarray(value)
-        else:
-            params[name] = jnp.asarray(value)
-    return Model(config=cfg, params=params, source=str(directory))
-
-
 # ----------------------------------------------------------------------------------------------
 # The training loop
 # ----------------------------------------------------------------------------------------------
@@ -688,28 +761,37 @@ def _head_setup(target: Model, train_data: Dataset, cfg: TrainConfig):
     return mtp_config_for(target.config), (target.config.num_layers,), vocab
 
 
+_HEAD_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+
+
 def _run_record(cfg: TrainConfig, data: Dataset, target: Model) -> dict[str, Any]:
     return {"train_config": cfg.to_dict(), "data": data.fingerprint(), "target_config": repr(target.config)}
 
 
 def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: TrainConfig, *,
-          resume: bool = False, stop_after: int | None = None, progress: bool = True) -> TrainResult:
+          resume: bool = False, stop_after: int | None = None, feature_dir: str | os.PathLike[str] | None = None,
+          head_dtype: str = "float32", progress: bool = True) -> TrainResult:
     """Train a head for `target` on `data`, checkpointing into `out_dir`.
 
     resume: continue the run whose checkpoints `out_dir` holds (same data and settings, checked);
         without it, a directory that already holds a run is refused rather than overwritten.
     stop_after: stop (and checkpoint) after this many total steps, as an interruption would.
+    feature_dir: where the FeatureCache lives (default `out_dir/features`); runs on the same data
+        and target may share one.
+    head_dtype: the written head's float type, "float32" or "bfloat16" (half the bytes; it loads
+        back as float32, so drafting is unchanged but for the rounding of the weights).
     When the run completes, the head is written: EAGLE-3 into `out_dir` itself (config.json +
-    model.safetensors, what `jaxspec.load(out_dir)` reads), MTP into `out_dir/mtp_head`
-    (`load_mtp_head`).
+    model.safetensors), MTP into `out_dir/mtp_head` (mtp_head.json + model.safetensors); both
+    load with `jaxspec.load(path)`.
     """
     from tqdm.auto import tqdm
 
+    if head_dtype not in _HEAD_DTYPES:
+        raise InvalidRequestError(f"head_dtype must be one of {sorted(_HEAD_DTYPES)}; got {head_dtype!r}")
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_rows, val_rows = split(len(data), cfg.val_fraction, cfg.seed)
-    train_data, val_data = data.subset(train_rows), data.subset(val_rows)
-    head_cfg, hidden_layers, vocab = _head_setup(target, train_data, cfg)
+    head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg)
     spec = _StepSpec(train=cfg, target_cfg=target.config, head_cfg=head_cfg, hidden_layers=hidden_layers)
     frozen = {"embed": target.params["embed"],
               "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
@@ -742,6 +824,8 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
             (out_dir / RUN_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
             data.save(out_dir / DATA_FILE)
 
+        targets_for = _target_source(target, data, frozen, spec, pathlib.Path(feature_dir or out_dir / FEATURE_DIR),
+                                     progress)
         stop = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         history: list[dict[str, float]] = []
         validation = None
@@ -749,16 +833,15 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
         with tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.method.value}", unit="step",
                   disable=not progress) as bar:
             for step in range(start, stop):
-                batch = train_data.batch(batch_indices(cfg.seed, step, cfg.batch_size, len(train_data)))
-                targets = _targets(target.params, frozen, batch, spec)
+                targets = targets_for(train_rows[batch_indices(cfg.seed, step, cfg.batch_size, len(train_rows))])
                 params, opt_state, metrics = _train_step(params, opt_state, frozen, targets, spec=spec)
                 summary = _summarise(jax.device_get(metrics), cfg.step_decay)
                 done = step + 1
                 history.append({"step": done, "loss": summary["loss"], "top1": summary["top1"]})
                 bar.set_postfix(loss=f"{summary['loss']:.3f}", top1=f"{summary['top1']:.2f}")
                 bar.update()
-                if len(val_data) and (done % cfg.eval_every == 0 or done == cfg.steps):
-                    validation = evaluate(params, target.params, frozen, val_data, spec, cfg.batch_size)
+                if len(val_rows) and (done % cfg.eval_every == 0 or done == cfg.steps):
+                    validation = evaluate(params, frozen, val_rows, targets_for, spec, cfg.batch_size)
                     bar.write(f"step {done}: validation loss {validation['loss']:.4f}, "
                               f"top-1 {validation['top1']:.3f} (by depth "
                               f"{', '.join(f'{t:.2f}' for t in validation['top1_by_step'])})")
@@ -774,12 +857,35 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     head_path = None
     if done == cfg.steps:
         if cfg.method is Method.EAGLE3:
-            checkpoints.save_eagle3(out_dir, head_cfg, head_params)
+            checkpoints.save_eagle3(out_dir, head_cfg, head_params, dtype=_HEAD_DTYPES[head_dtype])
             head_path = out_dir
         else:
             head_path = out_dir / MTP_HEAD_DIR
-            save_mtp_head(head_path, head_cfg, head_params)
+            checkpoints.save_mtp_head(head_path, head_cfg, head_params)
     return TrainResult(head=head, config=cfg, step=done, history=history, validation=validation, head_path=head_path)
+
+
+def _target_source(target: Model, data: Dataset, frozen: Params, spec: _StepSpec, feature_dir: pathlib.Path,
+                   progress: bool):
+    """`targets_for(rows)`: the target's half of the batch of data rows `rows` (-1: an empty row),
+    read from the run's FeatureCache (built on first use) or recomputed by a target forward."""
+    cfg = spec.train
+    if not cfg.cache_features:
+        return lambda rows: _targets(target.params, frozen, data.batch(rows), spec)
+    # The cache also keeps the final-normed stream (layer L, an MTP head's input), which the
+    # forward computes anyway: an EAGLE-3 run's cache then serves an MTP run on the same data.
+    layers = tuple(dict.fromkeys(spec.hidden_layers + (target.config.num_layers,)))
+    cache = cache_features(target, data, layers, feature_dir, batch_size=cfg.batch_size,
+                           chunk_rows=cfg.batch_size * max(1, 64 // cfg.batch_size), progress=progress)
+
+    def targets_for(rows):
+        batch = data.batch(rows)
+        features, labels = cache.rows(rows, spec.hidden_layers)  # [B, F, T, D], [B, T]
+        return {"tokens": batch["tokens"], "features": tuple(jnp.asarray(features[:, i]) for i in range(features.shape[1])),
+                "labels": jnp.asarray(labels),
+                "loss_mask": response_mask(batch["lengths"], batch["prompt_lengths"], data.seq_len)}
+
+    return targets_for
 
 
 def saved_run(out_dir: str | os.PathLike[str]) -> tuple[TrainConfig, Dataset]:
@@ -803,50 +909,65 @@ def measure_tau(target: Model, head: Model, prompts: Sequence[Sequence[int]], *,
 # The whole pipeline (the CLI's `train-head`)
 # ----------------------------------------------------------------------------------------------
 
-# A small built-in prompt set, enough to see a head learn on a laptop. A useful head needs
-# thousands of prompts from the target's own domain: pass a JSONL file.
-DEFAULT_PROMPTS = (
-    "Tell me a joke about computers.", "Explain photosynthesis in simple terms.",
-    "Write a haiku about the sea.", "What is the capital of France, and why is it famous?",
-    "Give three tips for staying focused while studying.", "Describe how a bicycle works.",
-    "Summarise the plot of Romeo and Juliet.", "What are prime numbers? Give examples.",
-    "Write a short story about a lost robot.", "How do I make a cup of tea?",
-    "Explain what a neural network is.", "List five fruits and their colours.",
-    "Why is the sky blue?", "Write a polite email asking for a meeting.",
-    "What is the difference between weather and climate?", "Describe your ideal weekend.",
-    "How does a computer store numbers?", "Give me a recipe for pancakes.",
-    "What causes the seasons on Earth?", "Write a limerick about a cat.",
-    "Explain the rules of chess briefly.", "What is gravity?",
-    "Suggest names for a new coffee shop.", "How do vaccines work?",
-    "Write a Python function that reverses a string.", "What is the water cycle?",
-    "Describe the city of Tokyo.", "Explain recursion to a child.",
-    "What are the benefits of exercise?", "Write a motivational quote and explain it.",
-    "How do airplanes stay in the air?", "What is the Pythagorean theorem?",
-)
+def self_instruct_examples(target: Model, num_prompts: int = 640, num_passage_prompts: int = 192, *,
+                           max_new_tokens: int = 128, batch_size: int = 32, seed: int = 0,
+                           progress: bool = False) -> list[Example]:
+    """Training examples from jaxspec's own topic list (`jaxspec.self_instruct`), all answered by
+    the target through its chat template: `num_prompts` topic prompts (stage 1), then
+    `num_passage_prompts` prompts wrapping the target's own stage-1 articles (stage 2:
+    summarisation, extraction, reading comprehension, translation)."""
+    from jaxspec import self_instruct
+
+    if target.tokenizer is None:
+        raise InvalidRequestError("self-instruct prompts are text: the target needs a tokenizer (or pass --prompts)")
+    texts = self_instruct.topic_prompts(num_prompts, seed)
+    stage1 = self_distill(target, tokenize_prompts(target, texts), max_new_tokens, batch_size, progress=progress)
+    if not num_passage_prompts:
+        return stage1
+    articles = [target.tokenizer.decode(example.tokens[example.prompt_length:])
+                for text, example in zip(texts, stage1) if self_instruct.is_article_prompt(text)]
+    stage2_texts = self_instruct.passage_prompts(articles, num_passage_prompts, seed)
+    stage2 = self_distill(target, tokenize_prompts(target, stage2_texts), max_new_tokens, batch_size,
+                          progress=progress)
+    return stage1 + stage2
 
 
 def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainConfig | None = None, *,
-               prompts: Sequence[str | Sequence[int]] | None = None, seq_len: int = 256,
-               max_new_tokens: int = 128, distill_batch_size: int = 8, chat: bool | None = None,
+               prompts: Sequence[str | Sequence[int]] | None = None, data: Dataset | None = None,
+               seq_len: int = 256, max_new_tokens: int = 128, num_prompts: int = 640,
+               num_passage_prompts: int = 192, distill_batch_size: int = 32, chat: bool | None = None,
                resume: bool = False, tau_prompts: int = 8, num_draft_tokens: int = 3,
+               feature_dir: str | os.PathLike[str] | None = None, head_dtype: str = "float32",
                progress: bool = True) -> tuple[TrainResult, SpecStats | None]:
-    """Load the target (a name or path, or a loaded Model), self-distill `prompts` (default
-    DEFAULT_PROMPTS; `chat` None = the chat template when the tokenizer has one), train, write the
-    head, and measure tau on up to `tau_prompts` held-out prompts. With `resume`, the run in
-    `out_dir` continues with its own saved settings and data (`cfg` and `prompts` are ignored).
+    """Load the target (a name or path, or a loaded Model), build the training data, train, write
+    the head, and measure tau on up to `tau_prompts` held-out prompts.
+
+    The data, by precedence: `data` (a Dataset already distilled, e.g. another run's
+    train_data.npz: an EAGLE-3 and an MTP head can share one), else `prompts` answered by the
+    target (`chat` None = through the chat template when the tokenizer has one), else the
+    built-in self-instruct set (`self_instruct_examples`: `num_prompts` topic prompts and
+    `num_passage_prompts` over the target's own articles). `feature_dir` and `head_dtype` go to
+    `train`. With `resume`, the run in `out_dir`
+    continues with its own saved settings and data (`cfg`, `prompts` and `data` are ignored).
     Arguments are checked before the target loads."""
     for name, value, least in (("seq_len", seq_len, 4), ("max_new_tokens", max_new_tokens, 1),
+                               ("num_prompts", num_prompts, 1), ("num_passage_prompts", num_passage_prompts, 0),
                                ("distill_batch_size", distill_batch_size, 1), ("tau_prompts", tau_prompts, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise InvalidRequestError(f"{name} must be an integer >= {least}; got {value!r}")
+    if head_dtype not in _HEAD_DTYPES:
+        raise InvalidRequestError(f"head_dtype must be one of {sorted(_HEAD_DTYPES)}; got {head_dtype!r}")
     if resume:
         cfg, data = saved_run(out_dir)
     cfg = cfg or TrainConfig()
     target = model if isinstance(model, Model) else _load_target(model, progress)
-    if not resume:
+    if data is not None:
+        if int(data.tokens.max(initial=0)) >= target.config.vocab_size:
+            raise InvalidRequestError(f"the data holds token ids outside the target's vocabulary ({target.config.vocab_size})")
+    elif prompts is not None:
         if chat is None:
             chat = bool(target.tokenizer is not None and target.tokenizer.chat_template)
-        rows = tokenize_prompts(target, list(prompts or DEFAULT_PROMPTS), chat=chat)
+        rows = tokenize_prompts(target, list(prompts), chat=chat)
         too_long = [i for i, r in enumerate(rows) if len(r) >= seq_len]
         if too_long:
             raise InvalidRequestError(
@@ -854,9 +975,13 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
         # Answers past the training window would be cut off by `pack`: no need to generate them.
         answer_length = max(1, min(max_new_tokens, seq_len - min(map(len, rows)),
                                    target.config.max_position_embeddings - max(map(len, rows))))
-        examples = self_distill(target, rows, answer_length, distill_batch_size, progress=progress)
+        data = pack(self_distill(target, rows, answer_length, distill_batch_size, progress=progress), seq_len)
+    else:
+        examples = self_instruct_examples(target, num_prompts, num_passage_prompts, max_new_tokens=max_new_tokens,
+                                          batch_size=distill_batch_size, seed=cfg.seed, progress=progress)
         data = pack(examples, seq_len)
-    result = train(target, data, out_dir, cfg, resume=resume, progress=progress)
+    result = train(target, data, out_dir, cfg, resume=resume, feature_dir=feature_dir, head_dtype=head_dtype,
+                   progress=progress)
     stats = None
     _, val_rows = split(len(data), cfg.val_fraction, cfg.seed)
     held_out = [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in val_rows[:tau_prompts]]

@@ -9,6 +9,7 @@ One EAGLE-3 run is shared by the module (a jit compile costs more than the train
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +113,71 @@ def test_target_batch_features_labels_and_mask(toy):
     np.testing.assert_array_equal(out["loss_mask"], expected_mask)
 
 
+def test_feature_cache_holds_the_targets_half_and_is_built_once(toy, tmp_path):
+    """Chunks of the target's features (float16) and argmax labels, equal to a fresh target pass;
+    complete chunks are reused, a missing one is rebuilt alone, other layers rebuild all."""
+    target, _, _, data = toy
+    layers = eagle3.target_hidden_layers((0, 1, 1))
+    directory = tmp_path / "features"
+    cache = train.cache_features(target, data, layers, directory, batch_size=8, chunk_rows=16)
+    assert len(cache.features) == 3 and cache.features[2].shape == (len(data) - 32, 3, SEQ_LEN, TOY.dim)
+    assert cache.features[0].dtype == np.float16 and cache.labels[0].dtype == np.int32
+    rows = np.asarray([0, 17, 39, 5, -1, 33, 12, 20])  # across chunks, one empty row
+    fresh = train.target_batch(target.params, TOY, layers, data.batch(rows))
+    features, labels = cache.rows(rows)
+    for i, feature in enumerate(fresh["features"]):
+        # float16 keeps 11 significant bits: relative error <= 2^-11 of each value.
+        np.testing.assert_allclose(features[:, i], np.where(rows[:, None, None] < 0, 0, feature), rtol=2 ** -11, atol=1e-6)
+    np.testing.assert_array_equal(labels, np.where(rows[:, None] < 0, 0, fresh["labels"]))
+
+    stamps = {p.name: p.stat().st_mtime_ns for p in directory.glob("*.npy")}
+    (directory / "labels_00001.npy").unlink()  # an interrupted build
+    again = train.cache_features(target, data, layers, directory, batch_size=8, chunk_rows=16)
+    after = {p.name: p.stat().st_mtime_ns for p in directory.glob("*.npy")}
+    assert {name for name in stamps if after[name] != stamps[name]} <= {"features_00001.npy", "labels_00001.npy"}
+    assert after["features_00000.npy"] == stamps["features_00000.npy"]
+    np.testing.assert_array_equal(again.rows(rows)[1], labels)
+    stamps = {p.name: p.stat().st_mtime_ns for p in directory.glob("*.npy")}
+    subset = train.cache_features(target, data, layers[:1], directory, batch_size=8, chunk_rows=32)
+    assert stamps == {p.name: p.stat().st_mtime_ns for p in directory.glob("*.npy")}  # read out of the cache
+    np.testing.assert_array_equal(subset.rows(rows, layers[:1])[0], features[:, :1])
+    other = train.cache_features(target, data, (TOY.num_layers,), directory, batch_size=8, chunk_rows=16)
+    assert other.layers == (TOY.num_layers,) and other.features[0].shape[1] == 1  # rebuilt, not misread
+    with pytest.raises(jaxspec.InvalidRequestError, match="multiple of batch_size"):
+        train.cache_features(target, data, layers, directory, batch_size=8, chunk_rows=12)
+
+
+def test_self_instruct_prompts_are_fixed_distinct_and_not_spec_bench():
+    from jaxspec import self_instruct
+
+    prompts = self_instruct.topic_prompts(640)
+    assert prompts == self_instruct.topic_prompts(640) and len(set(prompts)) == 640
+    assert prompts != self_instruct.topic_prompts(640, seed=1)
+    assert sum(map(self_instruct.is_article_prompt, prompts)) > 100
+    with pytest.raises(ValueError, match="count must be in"):
+        self_instruct.topic_prompts(10 ** 6)
+    article = "Bees make honey. " * 60  # 1020 characters: cut at a sentence end
+    wrapped = self_instruct.passage_prompts([article, "too short"], 8)
+    assert len(wrapped) == 8 and all("Bees make honey." in p for p in wrapped)
+    assert all(len(p) < 700 + 200 and p.rstrip().endswith(("honey.", "passage?")) for p in wrapped)
+    with pytest.raises(ValueError, match="no passage is long enough"):
+        self_instruct.passage_prompts(["short"], 2)
+    spec_bench = pathlib.Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
+    if spec_bench.is_file():  # Spec-Bench stays the evaluation set: no prompt may come from it
+        questions = {turn for line in spec_bench.read_text().splitlines() if line.strip()
+                     for turn in json.loads(line).get("turns", [])}
+        assert not questions & set(prompts)
+
+
+def test_self_instruct_needs_a_tokenizer_and_cache_excludes_soft_labels(toy):
+    target, _, _, _ = toy
+    with pytest.raises(jaxspec.InvalidRequestError, match="needs a tokenizer"):
+        train.self_instruct_examples(target, 4, 0)
+    with pytest.raises(jaxspec.InvalidRequestError, match="soft_labels needs"):
+        train.TrainConfig(soft_labels=True)
+    assert not train.TrainConfig(soft_labels=True, cache_features=False).cache_features
+
+
 def test_batch_order_depends_only_on_seed_and_step():
     first = [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]
     assert first == [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]
@@ -168,6 +234,10 @@ def test_cli_train_head_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "steps must be an integer >= 1" in capsys.readouterr().err
     assert cli.main(["train-head", "--out", str(tmp_path / "o"), "--resume"]) == 2
     assert "nothing to resume" in capsys.readouterr().err
+    assert cli.main(["train-head", "--out", str(tmp_path / "o"), "--prompts", str(bad), "--data", "d.npz"]) == 2
+    assert "--prompts and --data both" in capsys.readouterr().err
+    assert cli.main(["train-head", "--out", str(tmp_path / "o"), "--data", str(tmp_path / "none.npz")]) == 2
+    assert "not a readable training data file" in capsys.readouterr().err
 
 
 def test_train_config_rejects_bad_settings():
@@ -243,6 +313,18 @@ def test_mtp_head_trains_and_round_trips(toy, tmp_path):
     assert last["loss"] < 0.1 * first["loss"], (first, last)
     assert last["top1"] > 0.9
     assert result.validation is None  # no held-out split asked for
-    head = train.load_mtp_head(result.head_path)
+    head = jaxspec.load(str(result.head_path))
     assert head.config == result.head.config and head.config.block.num_layers == 1
     jax.tree.map(np.testing.assert_array_equal, head.params, result.head.params)
+    # A damaged head names what is wrong.
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(result.head_path / "model.safetensors"))
+    for damage, message in [(lambda t: t.pop("eh_proj"), "lacks MTP head tensor 'eh_proj'"),
+                            (lambda t: t.update(enorm=t["enorm"][:-1]), "'enorm' has shape"),
+                            (lambda t: t.update({"block.q_proj": t["block.q_proj"].astype(np.int32)}), "dtype I32")]:
+        broken = dict(tensors)
+        damage(broken)
+        save_file(broken, str(result.head_path / "model.safetensors"))
+        with pytest.raises(jaxspec.CheckpointError, match=message):
+            jaxspec.load(str(result.head_path))
