@@ -45,25 +45,37 @@ def load(name_or_path: str = DEFAULT_MODEL, *, use_cache: bool = True, progress:
     """Load a model: "smollm2-135m" (the default), a GGUF file, an HF or a converted directory; or a
     draft head: "eagle3-smollm2-135m" (shipped), an EAGLE-3 head or a trained MTP head directory."""
     path = checkpoints.resolve_model(name_or_path)
-    if checkpoints.is_eagle3_dir(path):  # a draft head: no trunk, no tokenizer of its own
-        config, params = checkpoints.load_eagle3(path)
-        return Model(config=config, params=params, source=str(path))
-    if checkpoints.is_mtp_head_dir(path):  # an MTP head trained by jaxspec.train
-        config, params = checkpoints.load_mtp_head(path)
-        return Model(config=config, params=params, source=str(path))
+    head = _load_head_dir(path)
+    if head is not None:
+        return head
     ckpt = checkpoints.load_checkpoint(path, use_cache=use_cache, progress=progress)
     source = ckpt.tokenizer_source
     tokenizer = Tokenizer.from_gguf_metadata(source) if isinstance(source, dict) else Tokenizer.from_dir(source)
     return Model(config=ckpt.config, params=ckpt.params, tokenizer=tokenizer, source=str(ckpt.source))
 
 
+def _load_head_dir(path) -> Model | None:
+    """A draft head directory (EAGLE-3, or an MTP head trained by jaxspec.train) as a Model with
+    no trunk and no tokenizer of its own; None when `path` is not one."""
+    if checkpoints.is_eagle3_dir(path):
+        config, params = checkpoints.load_eagle3(path)
+    elif checkpoints.is_mtp_head_dir(path):
+        config, params = checkpoints.load_mtp_head(path)
+    else:
+        return None
+    return Model(config=config, params=params, source=str(path))
+
+
 def load_mtp(model_or_path: "Model | str") -> Model:
     """The MTP head an HF checkpoint carries (num_nextn_predict_layers): pass the target's
-    directory, or the target `Model` loaded from it. Generate with it as `draft_params`."""
+    directory, or the target `Model` loaded from it; or a head directory written by
+    `jaxspec.train`. Generate with it as `draft_params`."""
     source = model_or_path.source if isinstance(model_or_path, Model) else model_or_path
     if source is None:
         raise InvalidRequestError("this model has no source directory to read an MTP head from")
     path = checkpoints.resolve_model(source)
+    if checkpoints.is_mtp_head_dir(path):  # a head trained by jaxspec.train, on its own
+        return _load_head_dir(path)
     if not checkpoints.has_mtp(path):
         raise InvalidRequestError(
             f"{path} carries no MTP head: an HF directory whose config.json declares num_nextn_predict_layers")

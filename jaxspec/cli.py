@@ -38,8 +38,9 @@ def _build_parser() -> argparse.ArgumentParser:
                           "or inferred from --draft")
     gen.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="draft tokens per round")
     gen.add_argument("--draft", default=None,
-                     help="a draft model (same vocabulary), an EAGLE-3 head directory, or for --method mtp the "
-                          "HF directory whose MTP head to use")
+                     help="a draft model (same vocabulary), an EAGLE-3 head directory or name "
+                          "(eagle3-smollm2-135m), a trained MTP head directory, or for --method mtp the HF "
+                          "directory whose MTP head to use")
     gen.add_argument("--draft-sampling", choices=api.DRAFT_SAMPLING, default=None,
                      help="at temperature > 0: drafts sampled from the draft's distribution (default) or its argmax")
     gen.add_argument("--kv-format", default=None, help="the target's KV cache: f32 (default), bf16, q8_0, q5_1, "

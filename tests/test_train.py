@@ -298,6 +298,24 @@ def test_resume_continues_the_same_run(toy, eagle3_run, tmp_path):
                  resumed.head.params, uninterrupted.head.params)
 
 
+def test_train_head_reuses_distilled_data_and_a_shared_feature_cache(toy, eagle3_run, tmp_path):
+    """`data=` skips self-distillation (another run's train_data.npz) and `feature_dir=` reads the
+    first run's cache: same data, same settings, so the same head, with no target pass."""
+    target, _, _, data = toy
+    first, first_dir = eagle3_run
+    saved = train.Dataset.load(first_dir / train.DATA_FILE)
+    stamps = {p.name: p.stat().st_mtime_ns for p in (first_dir / train.FEATURE_DIR).glob("*.npy")}
+    result, stats = train.train_head(target, tmp_path, EAGLE3_RUN, data=saved, tau_prompts=0,
+                                     feature_dir=first_dir / train.FEATURE_DIR, head_dtype="bfloat16", progress=False)
+    assert stats is None and result.head_path == tmp_path and not (tmp_path / train.FEATURE_DIR).exists()
+    assert stamps == {p.name: p.stat().st_mtime_ns for p in (first_dir / train.FEATURE_DIR).glob("*.npy")}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), result.head.params, first.head.params)
+    head = jaxspec.load(str(tmp_path))  # written in bfloat16: the same weights, rounded
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2 ** -8, atol=1e-30), head.params, first.head.params)
+    with pytest.raises(jaxspec.InvalidRequestError, match="head_dtype must be one of"):
+        train.train_head(target, tmp_path / "x", EAGLE3_RUN, data=saved, head_dtype="float16")
+
+
 # ------------------------------------------------------------------------------------------
 # MTP: the same loop with the MTP forward
 # ------------------------------------------------------------------------------------------
@@ -316,6 +334,7 @@ def test_mtp_head_trains_and_round_trips(toy, tmp_path):
     head = jaxspec.load(str(result.head_path))
     assert head.config == result.head.config and head.config.block.num_layers == 1
     jax.tree.map(np.testing.assert_array_equal, head.params, result.head.params)
+    assert jaxspec.load_mtp(str(result.head_path)).config == head.config  # what --method mtp --draft DIR reads
     # A damaged head names what is wrong.
     from safetensors.numpy import load_file, save_file
 
