@@ -1,4 +1,4 @@
-"""Speculative decoding on Spec-Bench: prompt lookup and layer-skip vs plain, jaxspec vs transformers.
+"""Speculative decoding on Spec-Bench: trained heads, prompt lookup and layer-skip vs plain, jaxspec vs transformers.
 
     . .venv/bin/activate && python bench/spec.py            # 4 prompts per group, HF on 2
     . .venv/bin/activate && python bench/spec.py --quick    # 2 prompts per group, HF on 1, k = 4
@@ -25,6 +25,10 @@ Also measured:
   * sampled decoding at temperature 0.7 and 1.0 (`--temperatures`): plain sampling vs prompt lookup
     and layer-skip (lossless rejection sampling), tau and speedup, HF's sampled plain and prompt
     lookup beside them, on the first 2 prompts of each group (`--sampled-prompts`);
+  * trained draft heads: the shipped EAGLE-3 head (`--eagle3`, default "eagle3-smollm2-135m",
+    at k = `--eagle3-k`, default 2 4 6) and optionally an MTP head trained by `jaxspec.cli
+    train-head --method mtp` (`--mtp DIR`, k = `--mtp-k`), in the greedy and the sampled rows,
+    with acceptance per draft position and the cost of one head step next to a target step;
   * the layer-skip exit layer and k, picked on 2 prompts (the first qa and mt_bench ones) by
     predicted speedup = tau x cost(1) / round cost, where tau is the exact acceptance of an
     early-exit draft replayed along plain greedy output (one forward per prompt) and the round
@@ -158,6 +162,32 @@ def _forward_loop(params, tokens, cache, *, cfg, iters):
     return jax.lax.fori_loop(0, iters, body, (cache, jnp.zeros((), jnp.float32)))[1]
 
 
+def head_step_cost(model, head, capacity: int, length: int, calls: int, iters: int = 4) -> float:
+    """Median seconds of one draft step of a feature head (EAGLE-3 or MTP) at T = 1, timed like
+    `forward_costs` (a jitted loop with the head's cache in the carry)."""
+    from jaxspec.api import lm_head_of
+    from jaxspec.models import eagle3, mtp
+
+    cfg = head.config
+    module = eagle3 if isinstance(cfg, eagle3.Eagle3Config) else mtp
+    cache = module.create_cache(cfg, 1, capacity).set_length(jnp.full((1,), length, jnp.int32))
+    tokens = jnp.asarray([[100]], jnp.int32)
+    feature = jnp.ones((1, 1, model.config.dim), jnp.float32)
+    extra = () if module is eagle3 else (lm_head_of(model),)
+
+    @jax.jit
+    def loop(params, embed, extra, cache):
+        def body(_, carry):
+            cache, g, checksum = carry
+            logits, g, cache = module.forward(params, cfg, embed, *extra, tokens, g, cache)
+            return cache, g, checksum + logits[0, -1, 0]
+
+        return jax.lax.fori_loop(0, iters, body, (cache, feature, jnp.zeros((), jnp.float32)))[2]
+
+    timed(loop, head.params, model.params["embed"], extra, cache)  # compile
+    return median(timed(loop, head.params, model.params["embed"], extra, cache)[1] / iters for _ in range(calls))
+
+
 # ---------------------------------------------------------------------------------------------
 # Layer-skip: exact acceptance replay along plain greedy output
 # ---------------------------------------------------------------------------------------------
@@ -220,10 +250,11 @@ class Method:
     method: str  # jaxspec method, or "hf"
     k: int = 0
     exit_layer: int | None = None
+    draft: str | None = None  # a key of the loaded heads: "eagle3" | "mtp"
 
 
 def run_jaxspec(model, prompt: Prompt, m: Method, new_tokens: int, timing_stop: int,
-                temperature: float = 0.0, seed: int = 0) -> dict:
+                temperature: float = 0.0, seed: int = 0, heads: dict | None = None) -> dict:
     import jaxspec
 
     kwargs = dict(chat=True, max_new_tokens=new_tokens, ignore_eos=True, method=m.method,
@@ -237,7 +268,7 @@ def run_jaxspec(model, prompt: Prompt, m: Method, new_tokens: int, timing_stop: 
     # the prefill (seconds for a long prompt here). A stop token that never comes restores the
     # dependency. Reported upstream; harmless once fixed.
     kwargs["stop_token_ids"] = [timing_stop]
-    result = jaxspec.generate(model, None, prompt.text, **kwargs)
+    result = jaxspec.generate(model, (heads or {}).get(m.draft), prompt.text, **kwargs)
     s = result.stats
     return dict(tokens=result.tokens[0], tps=s.decode_tokens_per_second, tau=s.tau,
                 acceptance=s.acceptance_rate, by_position=s.acceptance_by_position,
@@ -444,9 +475,43 @@ def build_report(args, picked, methods, hf_methods, records, summaries, costs, s
                      f"{sweep['tau'][(e, k)]:.2f}; measured on the same prompts in the main run: tau "
                      f"{fmt(sweep.get('measured_tau'), '.2f')}, speedup {fmt(sweep.get('measured_speedup'), '.2f', 'x')}).\n")
 
+    lines.append(acceptance_report(records, methods, costs, args))
     lines.append(f"Figure: `bench/spec_speedup.png` (speedup per group and method; the T-cost curve).\n")
     lines.append(_reading(summaries, methods, hf_methods, costs, args))
     return "\n".join(lines)
+
+
+def acceptance_report(records: list[dict], methods: list[Method], costs: dict, args) -> str:
+    """Where drafts die: the fraction of rounds whose draft position i was accepted (mean over
+    prompts), per speculative method; then what a head step costs next to a target step."""
+    spec = [m for m in methods if m.method not in ("plain", "hf")]
+    depth = max((m.k for m in spec), default=0)
+    if not depth:
+        return ""
+    lines = ["### Acceptance per draft position (greedy, all groups)\n",
+             "Of the rounds that proposed draft i, the fraction in which it was accepted (which needs drafts "
+             "1..i-1 accepted too), mean over prompts; a head proposes k drafts every round, so its tau is about "
+             "1 + the row's sum.\n",
+             "| method | tau (median) | " + " | ".join(f"pos {i + 1}" for i in range(depth)) + " |",
+             "|---|---:|" + "---:|" * depth]
+    for m in spec:
+        rows = [r[m.key] for r in records if m.key in r]
+        by_position = np.nanmean([np.asarray(r["by_position"], float)[: m.k] for r in rows], axis=0)
+        cells = [fmt(float(v), ".2f") for v in by_position] + ["-"] * (depth - m.k)
+        lines.append(f"| {m.name} | {fmt(median(r['tau'] for r in rows), '.2f')} | " + " | ".join(cells) + " |")
+    lines.append("")
+    head_costs = {name: costs[f"short head {name}"] for name in ("eagle3", "mtp") if f"short head {name}" in costs}
+    if head_costs:
+        base = costs["short T=1"]
+        parts = [f"{'EAGLE-3' if name == 'eagle3' else 'MTP'} {1e3 * c:.2f} ms = {c / base:.2f}x"
+                 for name, c in head_costs.items()]
+        verify = ", ".join(f"T={k + 1} {costs[f'short T={k + 1}'] / base:.2f}x" for k in sorted(
+            {m.k for m in spec if m.draft}) if f"short T={k + 1}" in costs)
+        lines.append(f"One head draft step (T = 1, {SHORT_CACHE[0]}/{SHORT_CACHE[1]} cache): " + "; ".join(parts)
+                     + f" of a target step ({1e3 * base:.1f} ms). A round of k head drafts costs about k head "
+                     f"steps plus a verification at T = k + 1 ({verify} of a target step), so tau must exceed "
+                     "that sum to win.\n")
+    return "\n".join(lines) + "\n"
 
 
 def sampling_report(args, sampled: list[dict], with_hf: bool) -> str:
@@ -503,6 +568,14 @@ def _reading(summaries, methods, hf_methods, costs, args) -> str:
             above.append(f"{g} {fmt(ours, '.2f', 'x')} vs {fmt(theirs, '.2f', 'x')}")
         out.append(f"Aim 2, jaxspec's speedup above HF's (prompt lookup k = {args.hf_k}, each over its own plain, "
                    "on the same prompts): " + "; ".join(above) + ".")
+    if "eagle3-4" in summaries["mt_bench"]:
+        s = summaries["mt_bench"]["eagle3-4"]
+        best = max((m for m in methods if m.draft == "eagle3"), key=lambda m: _nan_low(summaries["mt_bench"][m.key]["speedup"]))
+        out.append(f"Aim (trained head), EAGLE-3 on the MT-bench categories: tau {fmt(s['tau'], '.2f')} at k = 4 "
+                   f"(aim >= 3.0: {'met' if s['tau'] >= 3.0 else 'not met'}); best wall-clock speedup "
+                   f"{fmt(summaries['mt_bench'][best.key]['speedup'], '.2f', 'x')} with {best.name} (aim >= 1.5x: "
+                   f"{'met' if summaries['mt_bench'][best.key]['speedup'] >= 1.5 else 'not met'}).")
+
     def ratios(prefix):
         return ", ".join(f"T={t} {costs[f'{prefix}T={t}'] / costs[f'{prefix}T=1']:.2f}x"
                          for t in (2, 3, 5, 9) if f"{prefix}T={t}" in costs)
@@ -596,6 +669,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperatures", type=float, nargs="*", default=[0.7, 1.0],
                         help="sampled rows at these temperatures (default 0.7 1.0; none: greedy only)")
     parser.add_argument("--sampled-prompts", type=int, help="prompts per group for the sampled rows (default 2; --quick 1)")
+    parser.add_argument("--eagle3", default="eagle3-smollm2-135m",
+                        help='an EAGLE-3 head for the default model (name or directory; "none" to skip)')
+    parser.add_argument("--eagle3-k", type=int, nargs="+", default=[2, 4, 6], help="EAGLE-3 draft lengths")
+    parser.add_argument("--mtp", default=None, help="an MTP head directory written by train-head --method mtp")
+    parser.add_argument("--mtp-k", type=int, nargs="+", default=[2], help="MTP draft lengths")
+    parser.add_argument("--sampled-head-k", type=int, default=4, help="the heads' k in the sampled rows")
     parser.add_argument("--no-hf", action="store_true", help="jaxspec only")
     parser.add_argument("--no-layer-skip", action="store_true")
     parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
@@ -617,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_layer_skip:
         need = max(args.layer_skip_k) + 1
         args.cost_max_t = max(args.cost_max_t, need)
+    if args.eagle3.lower() != "none":
+        args.cost_max_t = max(args.cost_max_t, max(args.eagle3_k) + 1)
     began = time.perf_counter()
 
     import jaxspec
@@ -625,6 +706,12 @@ def main(argv: list[str] | None = None) -> int:
     picked = pick_prompts(args.questions, args.prompts)
     model = jaxspec.load()
     cfg = model.config
+    heads = {}
+    if args.eagle3 and args.eagle3.lower() != "none":
+        heads["eagle3"] = jaxspec.load(args.eagle3)
+    if args.mtp:
+        heads["mtp"] = jaxspec.load(args.mtp)
+    head_ks = {"eagle3": args.eagle3_k, "mtp": args.mtp_k}
     timing_stop = model.tokenizer.hf_tokenizer.token_to_id(TIMING_STOP_TOKEN)
     compile_total = 0.0
 
@@ -637,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = forward_costs({f"T={t}": (model.params, cfg, t) for t in ts}, args.cost_capacity,
                           args.cost_length, args.cost_calls)
     short_ts = sorted({t for t in (1, 2, 3, 5, 9) if t <= args.cost_max_t}
+                      | {k + 1 for name in heads for k in head_ks[name]}
                       | ({k + 1 for k in args.layer_skip_k} if not args.no_layer_skip else set()))
     short = {f"T={t}": (model.params, cfg, t) for t in short_ts}
     measured_exits = sorted({min(args.exit_layers), max(args.exit_layers)})
@@ -653,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
             for t in (1, 2):
                 a, b = costs[f"short e={low},T={t}"], costs[f"short e={high},T={t}"]
                 costs[f"short e={e},T={t}"] = a if high == low else a + (b - a) * (e - low) / (high - low)
+    for name, head in heads.items():  # one head step (T = 1) with the short prompts' cache
+        costs[f"short head {name}"] = head_step_cost(model, head, SHORT_CACHE[0], SHORT_CACHE[1], args.cost_calls)
     print(f"forward cost ({time.perf_counter() - start:.0f} s): "
           + ", ".join(f"T={t} {costs[f'T={t}'] / costs['T=1']:.2f}x" for t in ts)
           + f" (T=1 {1e3 * costs['T=1']:.1f} ms); cache {SHORT_CACHE}: "
@@ -688,6 +778,9 @@ def main(argv: list[str] | None = None) -> int:
               + f" -> exit layer {chosen[0]}, k={chosen[1]}", flush=True)
 
     methods = [Method("plain", "plain", "plain")]
+    head_names = {"eagle3": "EAGLE-3", "mtp": "MTP"}
+    methods += [Method(f"{head_names[name]} k={k}", f"{name}-{k}", name, k, draft=name)
+                for name in heads for k in head_ks[name]]
     methods += [Method(f"prompt lookup k={k}", f"ngram-{k}", "ngram", k) for k in args.k]
     if chosen:
         methods.append(Method(f"layer-skip e={chosen[0]} k={chosen[1]}", "layer_skip", "layer_skip", chosen[1],
@@ -709,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = model.tokenizer.encode_chat(p.text)
             record = {"group": group, "qid": p.question_id, "prompt_tokens": len(ids)}
             for m in methods:
-                r = run_jaxspec(model, p, m, args.max_new_tokens, timing_stop)
+                r = run_jaxspec(model, p, m, args.max_new_tokens, timing_stop, heads=heads)
                 compile_total += r["compile_s"]
                 if not r["complete"]:
                     incomplete.append(f"{m.key} #{p.question_id}")
@@ -740,8 +833,10 @@ def main(argv: list[str] | None = None) -> int:
     # layer-skip, prompt lookup's are point masses), HF plain and HF prompt lookup beside them.
     sampled = []
     if args.temperatures and args.sampled_prompts:
-        sample_methods = [Method("plain", "plain", "plain"),
-                          Method(f"prompt lookup k={args.hf_k}", f"ngram-{args.hf_k}", "ngram", args.hf_k)]
+        sample_methods = [Method("plain", "plain", "plain")]
+        sample_methods += [Method(f"{head_names[name]} k={args.sampled_head_k}", f"{name}-{args.sampled_head_k}", name,
+                                  args.sampled_head_k, draft=name) for name in heads]
+        sample_methods += [Method(f"prompt lookup k={args.hf_k}", f"ngram-{args.hf_k}", "ngram", args.hf_k)]
         if chosen:
             sample_methods.append(Method(f"layer-skip e={chosen[0]} k={chosen[1]}", "layer_skip", "layer_skip",
                                          chosen[1], chosen[0]))
@@ -752,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
                     record = {"group": group, "qid": p.question_id, "temperature": temperature}
                     for m in sample_methods:
                         r = run_jaxspec(model, p, m, args.max_new_tokens, timing_stop, temperature=temperature,
-                                        seed=p.question_id)
+                                        seed=p.question_id, heads=heads)
                         compile_total += r["compile_s"]
                         record[m.key] = r
                     if hf is not None and index < args.hf_prompts:

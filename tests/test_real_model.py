@@ -15,6 +15,11 @@ from tests.conftest import assert_same_greedy, max_relative_error, requires_defa
 
 pytestmark = [requires_default_model, pytest.mark.real_model]
 
+# The shipped EAGLE-3 head reaches tau 1.50 at k = 4 on the two prompts of its test (greedy, so
+# the figure is fixed; 1.2-1.7 across Spec-Bench, see its model card); a random head stays at
+# ~1.0. Below the measured figure, well above chance.
+TRAINED_HEAD_MIN_TAU = 1.25
+
 PROMPT = ("Speculative decoding lets a small draft model propose several tokens that the large "
           "model then verifies in a single forward pass. Explain why the output is unchanged:")
 
@@ -121,15 +126,12 @@ def _shortest_spec_bench(model, category: str, count: int) -> list[str]:
     return sorted(prompts, key=lambda p: len(model.tokenizer.encode_chat(p)))[:count]
 
 
-def test_prompt_lookup_on_summarization_equals_plain_greedy(model):
-    """128 tokens on 3 Spec-Bench summarization prompts, as one ragged batch."""
-    prompts = _shortest_spec_bench(model, "summarization", 3)
-    plain = jaxspec.generate(model, None, prompts, chat=True, max_new_tokens=128, ignore_eos=True)
-    ngram = jaxspec.generate(model, None, prompts, chat=True, max_new_tokens=128, ignore_eos=True,
-                             method="ngram", num_draft_tokens=4)
+def _assert_rows_equal_plain_greedy(model, prompts, ours, plain):
+    """Each chat prompt's speculative tokens equal its plain greedy ones (a divergence only at a
+    near-tie of the full-recompute reference, shown)."""
     for row, prompt in enumerate(prompts):
         ids = model.tokenizer.encode_chat(prompt)
-        reference = plain.tokens[row]
+        reference = plain[row]
 
         def reference_logits_at(step):
             seq = ids + reference[:step]
@@ -137,7 +139,38 @@ def test_prompt_lookup_on_summarization_equals_plain_greedy(model):
                                          KVCache.create(model.config, 1, len(seq)))
             return logits[0, -1]
 
-        assert_same_greedy(ngram.tokens[row], reference, reference_logits_at)
+        assert_same_greedy(ours[row], reference, reference_logits_at)
+
+
+def test_prompt_lookup_on_summarization_equals_plain_greedy(model):
+    """128 tokens on 3 Spec-Bench summarization prompts, as one ragged batch."""
+    prompts = _shortest_spec_bench(model, "summarization", 3)
+    plain = jaxspec.generate(model, None, prompts, chat=True, max_new_tokens=128, ignore_eos=True)
+    ngram = jaxspec.generate(model, None, prompts, chat=True, max_new_tokens=128, ignore_eos=True,
+                             method="ngram", num_draft_tokens=4)
+    _assert_rows_equal_plain_greedy(model, prompts, ngram.tokens, plain.tokens)
     stats = ngram.stats
     assert stats.tau > 1.3, f"prompt lookup on summarization should accept drafts; tau {stats.tau:.2f}"
     assert stats.target_forwards < plain.stats.target_forwards
+
+
+def test_shipped_eagle3_head_loads_by_name_drafts_exactly_and_is_accepted(model):
+    """The trained head in jaxspec/heads/: under the 25 MB budget, bf16 on disk, and on two
+    Spec-Bench MT-bench prompts its speculative output equals plain greedy while it is accepted
+    far more often than chance (a random head gets tau ~1.0)."""
+    path = checkpoints.packaged_head_path("eagle3-smollm2-135m")
+    assert sum(f.stat().st_size for f in path.iterdir()) < 25_000_000
+    head = jaxspec.load("EAGLE3-SmolLM2-135M")  # names are case-insensitive
+    assert head.config.dim == model.config.dim and head.config.vocab_size == model.config.vocab_size
+    assert head.source == str(path) and (path / "README.md").is_file()  # the model card
+    prompts = _shortest_spec_bench(model, "writing", 1) + _shortest_spec_bench(model, "stem", 1)
+    plain = jaxspec.generate(model, None, prompts, chat=True, max_new_tokens=64, ignore_eos=True)
+    spec = jaxspec.generate(model, head, prompts, chat=True, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
+    assert spec.stats.method == "eagle3"
+    _assert_rows_equal_plain_greedy(model, prompts, spec.tokens, plain.tokens)
+    assert spec.stats.tau > TRAINED_HEAD_MIN_TAU, spec.stats
+
+
+def test_packaged_head_names_resolve_or_fail_clearly():
+    with pytest.raises(jaxspec.CheckpointError, match="packaged head 'eagle3-none' is incomplete"):
+        checkpoints.packaged_head_path("eagle3-none")
