@@ -15,8 +15,8 @@ from tests.conftest import assert_same_greedy, max_relative_error, requires_defa
 
 pytestmark = [requires_default_model, pytest.mark.real_model]
 
-# The shipped EAGLE-3 head reaches tau 1.50 at k = 4 on the two prompts of its test (greedy, so
-# the figure is fixed; 1.2-1.7 across Spec-Bench, see its model card); a random head stays at
+# The shipped EAGLE-3 head reaches tau 1.52 at k = 4 on the two prompts of its test (greedy, so
+# the figure is fixed; 1.1-1.7 across Spec-Bench, see its model card); a random head stays at
 # ~1.0. Below the measured figure, well above chance.
 TRAINED_HEAD_MIN_TAU = 1.25
 
@@ -155,15 +155,16 @@ def test_prompt_lookup_on_summarization_equals_plain_greedy(model):
 
 
 def test_shipped_eagle3_head_loads_by_name_drafts_exactly_and_is_accepted(model):
-    """The trained head in jaxspec/heads/: under the 25 MB budget, bf16 on disk, and on two
-    Spec-Bench MT-bench prompts its speculative output equals plain greedy while it is accepted
-    far more often than chance (a random head gets tau ~1.0)."""
+    """The trained head in jaxspec/heads/: under the 25 MB budget, and on two chat prompts (in
+    neither its training data nor Spec-Bench) its speculative output equals plain greedy while
+    it is accepted far more often than chance (a random head gets tau ~1.0)."""
     path = checkpoints.packaged_head_path("eagle3-smollm2-135m")
     assert sum(f.stat().st_size for f in path.iterdir()) < 25_000_000
     head = jaxspec.load("EAGLE3-SmolLM2-135M")  # names are case-insensitive
     assert head.config.dim == model.config.dim and head.config.vocab_size == model.config.vocab_size
     assert head.source == str(path) and (path / "README.md").is_file()  # the model card
-    prompts = _shortest_spec_bench(model, "writing", 1) + _shortest_spec_bench(model, "stem", 1)
+    prompts = ["Write a short travel blog post about a weekend in Lisbon.",
+               "Explain how the human body fights a common cold."]
     plain = jaxspec.generate(model, None, prompts, chat=True, max_new_tokens=64, ignore_eos=True)
     spec = jaxspec.generate(model, head, prompts, chat=True, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
     assert spec.stats.method == "eagle3"
