@@ -1144,6 +1144,20 @@ _EAGLE3_TENSORS = {
 }
 
 
+def _read_float_tensor(reader: "_SafetensorsReader", directory: pathlib.Path, tensor: str,
+                       shape: tuple[int, ...], kind: str) -> np.ndarray:
+    """One float tensor of a draft head (`kind`: "EAGLE-3", "MTP", ...), its presence, dtype and
+    shape checked against what the config implies."""
+    if tensor not in reader.files:
+        raise CheckpointError(f"{directory} lacks {kind} tensor {tensor!r}")
+    if reader.dtype(tensor) not in _FLOAT_DTYPES:
+        raise CheckpointError(f"{kind} tensor {tensor!r} has dtype {reader.dtype(tensor)}; expected a float type")
+    value = reader.read(tensor)
+    if value.shape != tuple(shape):
+        raise CheckpointError(f"{kind} tensor {tensor!r} has shape {value.shape}, the config implies {tuple(shape)}")
+    return value
+
+
 def is_eagle3_dir(path: pathlib.Path) -> bool:
     from jaxspec.models import eagle3
 
@@ -1163,14 +1177,7 @@ def load_eagle3(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
     with contextlib.ExitStack() as stack:
         reader = _SafetensorsReader(files, stack)
         for name, (tensor, shape_of) in _EAGLE3_TENSORS.items():
-            if tensor not in files:
-                raise CheckpointError(f"{directory} lacks EAGLE-3 tensor {tensor!r}")
-            if reader.dtype(tensor) not in _FLOAT_DTYPES:
-                raise CheckpointError(f"EAGLE-3 tensor {tensor!r} has dtype {reader.dtype(tensor)}; expected a float type")
-            value = reader.read(tensor)
-            if value.shape != shape_of(cfg):
-                raise CheckpointError(f"EAGLE-3 tensor {tensor!r} has shape {value.shape}, config implies {shape_of(cfg)}")
-            params[name] = value
+            params[name] = _read_float_tensor(reader, directory, tensor, shape_of(cfg), "EAGLE-3")
         if "d2t" not in files:
             raise CheckpointError(f"{directory} lacks EAGLE-3 tensor 'd2t'")
         if reader.dtype("d2t") not in ("I64", "I32"):
@@ -1258,14 +1265,7 @@ def load_mtp_head(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
         reader = _SafetensorsReader(files, stack)
         for group, shapes in (("", {k: v for k, v in expected.items() if k != "block"}), ("block.", expected["block"])):
             for name, leaf in shapes.items():
-                tensor = group + name
-                if tensor not in files:
-                    raise CheckpointError(f"{directory} lacks MTP head tensor {tensor!r}")
-                if reader.dtype(tensor) not in _FLOAT_DTYPES:
-                    raise CheckpointError(f"MTP head tensor {tensor!r} has dtype {reader.dtype(tensor)}; expected a float type")
-                value = reader.read(tensor)
-                if value.shape != leaf.shape:
-                    raise CheckpointError(f"MTP head tensor {tensor!r} has shape {value.shape}, config implies {leaf.shape}")
+                value = _read_float_tensor(reader, directory, group + name, leaf.shape, "MTP head")
                 (params["block"] if group else params)[name] = value
     return cfg, _to_jax(params)
 
@@ -1326,14 +1326,7 @@ def load_mtp(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
         reader = _SafetensorsReader(files, stack)
 
         def read(tensor: str, shape: tuple[int, ...]) -> np.ndarray:
-            if tensor not in files:
-                raise CheckpointError(f"{directory} lacks MTP tensor {tensor!r}")
-            if reader.dtype(tensor) not in _FLOAT_DTYPES:
-                raise CheckpointError(f"MTP tensor {tensor!r} has dtype {reader.dtype(tensor)}; expected a float type")
-            value = reader.read(tensor)
-            if value.shape != shape:
-                raise CheckpointError(f"MTP tensor {tensor!r} has shape {value.shape}, the config implies {shape}")
-            return value
+            return _read_float_tensor(reader, directory, tensor, shape, "MTP")
 
         for key, shape in expected.items():
             params[key] = read(names[key], shape)

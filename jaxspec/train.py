@@ -764,6 +764,11 @@ def _head_setup(target: Model, train_data: Dataset, cfg: TrainConfig):
 _HEAD_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
 
 
+def _check_head_dtype(head_dtype: str) -> None:
+    if head_dtype not in _HEAD_DTYPES:
+        raise InvalidRequestError(f"head_dtype must be one of {sorted(_HEAD_DTYPES)}; got {head_dtype!r}")
+
+
 def _run_record(cfg: TrainConfig, data: Dataset, target: Model) -> dict[str, Any]:
     return {"train_config": cfg.to_dict(), "data": data.fingerprint(), "target_config": repr(target.config)}
 
@@ -786,8 +791,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     """
     from tqdm.auto import tqdm
 
-    if head_dtype not in _HEAD_DTYPES:
-        raise InvalidRequestError(f"head_dtype must be one of {sorted(_HEAD_DTYPES)}; got {head_dtype!r}")
+    _check_head_dtype(head_dtype)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_rows, val_rows = split(len(data), cfg.val_fraction, cfg.seed)
@@ -955,8 +959,7 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
                                ("distill_batch_size", distill_batch_size, 1), ("tau_prompts", tau_prompts, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise InvalidRequestError(f"{name} must be an integer >= {least}; got {value!r}")
-    if head_dtype not in _HEAD_DTYPES:
-        raise InvalidRequestError(f"head_dtype must be one of {sorted(_HEAD_DTYPES)}; got {head_dtype!r}")
+    _check_head_dtype(head_dtype)
     if resume:
         cfg, data = saved_run(out_dir)
     cfg = cfg or TrainConfig()
