@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig, _rope_settings, resolve_rotary_dim
 from jaxspec.errors import UnsupportedModelError
-from jaxspec.models import llama
+from jaxspec.models.layers import logits_head, rms_norm, rope_tables, self_attention, swiglu
 
 Params = dict[str, Any]
 
@@ -160,19 +160,17 @@ def forward(
     batch, steps = tokens.shape
     attention_cfg = cfg.attention_config
     positions = cache.length[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
-    cos, sin = llama.rope_tables(attention_cfg, positions)
+    cos, sin = rope_tables(attention_cfg, positions)
 
     e = jnp.take(embed, tokens.reshape(-1), axis=0).T  # [D, B*T]
     g = g.reshape(batch * steps, cfg.dim).T  # [D, B*T]
-    cat = jnp.concatenate([llama.rms_norm(e, params["input_layernorm"], cfg.norm_eps),
-                           llama.rms_norm(g, params["hidden_norm"], cfg.norm_eps)], axis=0)  # [2D, B*T]
-    attn_out, keys, values = llama._attention(params, attention_cfg, cat, cos, sin, cache.keys[0],
-                                              cache.values[0], cache.length, batch, steps)
+    cat = jnp.concatenate([rms_norm(e, params["input_layernorm"], cfg.norm_eps),
+                           rms_norm(g, params["hidden_norm"], cfg.norm_eps)], axis=0)  # [2D, B*T]
+    attn_out, keys, values = self_attention(params, attention_cfg, cat, cos, sin, cache.keys[0], cache.values[0],
+                                            cache.length, batch, steps)
     x1 = g + attn_out  # the residual is the pre-norm g
-    z = llama.rms_norm(x1, params["post_attention_layernorm"], cfg.norm_eps)
-    g_next = x1 + params["down_proj"] @ (jax.nn.silu(params["gate_proj"] @ z) * (params["up_proj"] @ z))
-    logits = params["lm_head"] @ llama.rms_norm(g_next, params["norm"], cfg.norm_eps)  # [Vd, B*T]
-    logits = logits.reshape(-1, batch, steps).transpose(1, 2, 0)
+    g_next = x1 + swiglu(params, rms_norm(x1, params["post_attention_layernorm"], cfg.norm_eps))
+    logits = logits_head(params["lm_head"], rms_norm(g_next, params["norm"], cfg.norm_eps), batch, steps)  # [B, T, Vd]
     g_next = g_next.reshape(cfg.dim, batch, steps).transpose(1, 2, 0)
     return logits, g_next, cache.replace(keys=(keys,), values=(values,))
 
