@@ -11,8 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import jaxspec
 from jaxspec import checkpoints
@@ -51,14 +49,20 @@ def head(head_dir):
 # ------------------------------------------------------------------------------------------
 
 def _t(x):
+    import torch
+
     return torch.tensor(np.asarray(x), dtype=torch.float64)
 
 
 def _rms(x, w, eps):
+    import torch
+
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 def _rope(x, positions, theta, rotary_dim):  # x [heads, T, H]; rotate-half on the first rotary_dim
+    import torch
+
     inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     angles = positions[:, None].double() * inv[None, :]  # [T, R/2]
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
@@ -70,6 +74,8 @@ def _rope(x, positions, theta, rotary_dim):  # x [heads, T, H]; rotate-half on t
 
 def torch_head_steps(p, cfg, embed, tokens, g):
     """tokens [T], g [T, D]: run the head over T positions (causal); -> logits [T, Vd], g_next [T, D]."""
+    import torch
+
     T = len(tokens)
     e = embed[tokens]
     cat = torch.cat([_rms(e, p["input_layernorm"], cfg.norm_eps), _rms(g, p["hidden_norm"], cfg.norm_eps)], -1)
@@ -91,6 +97,8 @@ def torch_head_steps(p, cfg, embed, tokens, g):
 
 def test_head_matches_an_independent_torch_implementation_over_several_steps(head, target):
     """Absorb 7 positions of target features, then draft 4 tokens on the head's own g."""
+    import torch
+
     p = {name: _t(value) for name, value in head.params.items() if name != "d2t"}
     embed = _t(target.params["embed"])
     rng = np.random.RandomState(0)
@@ -136,6 +144,9 @@ def test_checkpoint_round_trip_and_d2t(head_dir, head):
 
 def test_aux_ids_are_the_streams_entering_those_layers(tmp_path):
     """aux id i == HF's hidden_states[i] (the input of layer i) == our hidden_layers i - 1."""
+    import torch
+    import transformers
+
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
