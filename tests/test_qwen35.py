@@ -23,6 +23,7 @@ from safetensors.numpy import load_file, save_file
 import jaxspec
 from jaxspec import models
 from jaxspec.checkpoints import load_checkpoint
+from jaxspec.config import RopeScaling, RopeType
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models import qwen35
 from jaxspec.cache import StateRollbackError
@@ -179,6 +180,29 @@ def test_step_by_step_decode_and_32_greedy_tokens_match_transformers(hf_case):
     error = max_relative_error(np.stack(step_logits), full[: len(step_logits)])
     assert error <= 1e-4, f"max relative logits error {error:.2e}"
     assert_same_greedy(ours, reference, lambda i: full[len(prompt) - 1 + i])
+
+
+def test_yarn_scaled_rope_matches_transformers(tmp_path):
+    """The attention layers run the shared RoPE with `cfg.rope_scaling`: the same weights under a
+    yarn-scaled HF config (scaled frequencies over the half-width rotation, and the attention
+    factor on cos and sin) give HF's logits, which differ from the unscaled model's."""
+    import transformers
+
+    case = "attention-first-untied-rope0.5"
+    hf_model = _write_hf(tmp_path, case, seed=9)
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=50000.0,
+                partial_rotary_factor=0.5)
+    scaled_model = transformers.Qwen3_5ForCausalLM(
+        transformers.Qwen3_5TextConfig(**HF_COMMON, **{**HF_CASES[case], "rope_parameters": yarn})).eval()
+    scaled_model.load_state_dict(hf_model.state_dict())
+    ckpt = load_checkpoint(tmp_path)
+    cfg = dataclasses.replace(ckpt.config, rope_scaling=RopeScaling(rope_type=RopeType.YARN, factor=4.0,
+                                                                    original_max_position_embeddings=32))
+    tokens = np.random.RandomState(9).randint(0, cfg.vocab_size, (1, 40))
+    logits, _, _ = forward(ckpt.params, cfg, jnp.asarray(tokens, jnp.int32), Qwen35Cache.create(cfg, 1, 48))
+    error = max_relative_error(logits, _hf_logits(scaled_model, tokens))
+    assert error <= 1e-4, f"max relative logits error {error:.2e}"
+    assert max_relative_error(logits, _hf_logits(hf_model, tokens)) > 1e-3
 
 
 def test_bf16_checkpoint_and_multimodal_layout_load(tmp_path):
