@@ -4,7 +4,6 @@ checkpoint format, the aux-layer convention, config parsing, and exact speculati
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import jax

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

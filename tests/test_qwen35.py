@@ -21,7 +21,6 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jaxspec
-from jaxspec import models
 from jaxspec.checkpoints import load_checkpoint
 from jaxspec.config import RopeScaling, RopeType
 from jaxspec.errors import CheckpointError, UnsupportedModelError
