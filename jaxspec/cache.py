@@ -115,6 +115,8 @@ _DTYPE_FORMATS = {jnp.dtype(jnp.float32): Format.F32, jnp.dtype(jnp.bfloat16): F
 
 @struct.dataclass
 class KVCache:
+    """A `Cache` of per-layer K/V buffers for a trunk whose every layer is attention."""
+
     # [B, K, S, H]: (batch, kv head) lead so attention's einsums batch over them without
     # transposing the cache, and each head's keys are contiguous along S. A quantized buffer is
     # a pytree whose leaves are [B, K, S, X] (kv_quant.Q8_0 / Q5_1), packed along H.

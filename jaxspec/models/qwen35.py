@@ -85,6 +85,7 @@ from jaxspec.pallas.kv_quant import Packed
 
 Params = dict[str, Any]
 
+
 class LayerType(enum.Enum):
     LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet
     FULL_ATTENTION = "full_attention"  # gated softmax attention over the KV cache
@@ -223,7 +224,8 @@ class ChunkedSteps:
 
 @struct.dataclass
 class Qwen35Cache:
-    """KV buffers for the attention layers, a ring of committed states for the DeltaNet layers.
+    """KV buffers for the attention layers, a ring of committed states for the DeltaNet layers:
+    a `jaxspec.cache.Cache` whose max_rollback is rollback_states - 1.
 
     The state after `l` committed tokens lives in ring slot l % R; the ring holds every length
     in [oldest, length]. `pending` is what the last forward recorded, consumed by the next
@@ -340,7 +342,7 @@ def _commit_recorded(cache: Qwen35Cache, pending: RecordedSteps, target, from_pe
     conv, ssm = [], []
     for index, (conv_ring, ssm_ring) in enumerate(zip(cache.conv, cache.ssm)):
         windows = conv_windows(_ring_read(conv_ring, base), pending.conv_inputs[index],
-                                jnp.broadcast_to(offsets + 1, keep.shape))
+                               jnp.broadcast_to(offsets + 1, keep.shape))
         conv.append(conv_ring.at[rows, slots].set(windows, mode="drop"))
         ssm.append(ssm_ring.at[rows, slots].set(pending.states[index], mode="drop"))
     return tuple(conv), tuple(ssm)
@@ -367,10 +369,10 @@ def _commit_chunked(cache: Qwen35Cache, pending: ChunkedSteps, target, from_pend
         decay = jnp.where(within[..., None], gather(pending.decay[index]), 0.0)
         beta = jnp.where(within[..., None], gather(pending.beta[index]), 0.0)
         state = chunk_end_state(start, heads_first(gather(pending.keys[index])),
-                                 heads_first(gather(pending.values[index])),
-                                 decay.transpose(0, 2, 1), beta.transpose(0, 2, 1))
+                                heads_first(gather(pending.values[index])),
+                                decay.transpose(0, 2, 1), beta.transpose(0, 2, 1))
         window = conv_windows(_ring_read(conv_ring, base), pending.conv_inputs[index],
-                               (target - base)[:, None])[:, 0]
+                              (target - base)[:, None])[:, 0]
         conv.append(conv_ring.at[rows, slots].set(window, mode="drop"))
         ssm.append(ssm_ring.at[rows, slots].set(state, mode="drop"))
     return tuple(conv), tuple(ssm)
