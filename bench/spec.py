@@ -216,7 +216,7 @@ def _early_exit_predict(params, tokens, *, cfg, exits):
     cache = KVCache.create(cfg, 1, tokens.shape[1])
     _, hiddens, _ = llama.forward(params, cfg, tokens, cache, hidden_layers=tuple(e - 1 for e in exits),
                                   logit_indices=jnp.zeros((1, 1), jnp.int32))
-    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    head = layers.output_head(params, tied=cfg.tie_embeddings)
     out = []
     for h in hiddens:  # [1, T, D]
         normed = layers.rms_norm(h[0], params["final_norm"], cfg.norm_eps, axis=1)  # [T, D]

@@ -108,6 +108,12 @@ def test_swiglu_by_hand():
     chex.assert_trees_all_close(out, jnp.asarray([[6.0 / (1.0 + math.exp(-1.0))]]), rtol=1e-6)
 
 
+def test_output_head_is_the_embedding_when_tied():
+    params = {"embed": jnp.zeros((3, 2)), "lm_head": jnp.ones((3, 2))}
+    assert layers.output_head(params, tied=True) is params["embed"]
+    assert layers.output_head(params, tied=False) is params["lm_head"]
+
+
 def test_logits_head_selects_positions_per_row():
     head = jnp.asarray([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # [V=3, D=2]
     h = jnp.arange(12, dtype=jnp.float32).reshape(2, 6)  # [D, B*T], B = 2, T = 3

@@ -210,12 +210,19 @@ def swiglu(layer: Params, x: jax.Array) -> jax.Array:
     return layer["down_proj"] @ (jax.nn.silu(gate) * up)
 
 
+def output_head(params: Params, *, tied: bool) -> jax.Array:
+    """A trunk's output projection [V, D]: the token embedding when the embeddings are tied,
+    else its own lm_head."""
+    return params["embed"] if tied else params["lm_head"]
+
+
 def logits_head(head: jax.Array, h: jax.Array, batch: int, steps: int,
                 logit_indices: jax.Array | None = None) -> jax.Array:
     """Logits float32[B, P, V] from the final-normed stream h [D, B*T].
 
-    head [V, D]: an lm_head, or the embedding when tied. logit_indices int32[B, P] picks which
-    of each row's T positions get logits (prefill needs one per row); default all T (P = T).
+    head [V, D]: an lm_head, or the embedding when tied (`output_head`); a draft head passes its
+    own. logit_indices int32[B, P] picks which of each row's T positions get logits (prefill
+    needs one per row); default all T (P = T).
     """
     dim = h.shape[0]
     h = h.reshape(dim, batch, steps)

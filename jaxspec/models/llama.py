@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.models.layers import decoder_layer, logits_head, rms_norm, rope_tables
+from jaxspec.models.layers import decoder_layer, logits_head, output_head, rms_norm, rope_tables
 from jaxspec.pallas.flash_decode import Attention
 
 Params = dict[str, Any]
@@ -134,8 +134,7 @@ def forward(
 
     h = rms_norm(h, params["final_norm"], cfg.norm_eps)
     hiddens[cfg.num_layers] = h
-    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-    logits = logits_head(head, h, batch, steps, logit_indices)  # [B, P, V]
+    logits = logits_head(output_head(params, tied=cfg.tie_embeddings), h, batch, steps, logit_indices)  # [B, P, V]
     hidden_out = tuple(hiddens[i].reshape(cfg.dim, batch, steps).transpose(1, 2, 0) for i in hidden_layers)
     cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values))
     return logits, hidden_out, cache

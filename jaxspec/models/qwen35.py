@@ -78,7 +78,7 @@ from jaxspec.models.gated_deltanet import (
     gated_delta_net,
     heads_first,
 )
-from jaxspec.models.layers import logits_head, rms_norm, rope_tables, self_attention, swiglu
+from jaxspec.models.layers import logits_head, output_head, rms_norm, rope_tables, self_attention, swiglu
 from jaxspec.pallas import kv_quant
 from jaxspec.pallas.flash_decode import Attention
 from jaxspec.pallas.kv_quant import Packed
@@ -483,8 +483,7 @@ def forward(
 
     h = rms_norm(h, params["final_norm"], cfg.norm_eps)
     hiddens[cfg.num_layers] = h  # the final-normed stream (llama.py's convention)
-    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-    logits = logits_head(head, h, batch, steps, logit_indices)  # [B, P, V]
+    logits = logits_head(output_head(params, tied=cfg.tie_embeddings), h, batch, steps, logit_indices)  # [B, P, V]
     hidden_out = tuple(hiddens[i].reshape(cfg.dim, batch, steps).transpose(1, 2, 0) for i in hidden_layers)
 
     pending = None
