@@ -14,7 +14,7 @@ import pytest
 import jaxspec
 from jaxspec import checkpoints
 from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig, config_from_hf
+from jaxspec.config import ModelConfig, RopeType, config_from_hf
 from jaxspec.models import eagle3, llama
 from tests.conftest import max_relative_error
 
@@ -191,6 +191,16 @@ def test_rope_width_is_resolved_identically_for_head_and_trunk(extra, expected):
     hf = {**BASE_HF, **extra}
     assert eagle3.config_from_hf(hf).rotary_dim == expected
     assert config_from_hf(hf).rotary_dim == expected
+
+
+def test_rope_scaling_of_a_head_reaches_its_attention():
+    """A Llama 3.1 head declares llama3 scaling as its target does; its attention runs with it."""
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    cfg = eagle3.config_from_hf({**BASE_HF, "rope_scaling": scaling})
+    assert cfg.rope_scaling == config_from_hf({**BASE_HF, "rope_scaling": scaling}).rope_scaling
+    assert cfg.attention_config.rope_scaling is cfg.rope_scaling
+    assert cfg.rope_scaling.rope_type is RopeType.LLAMA3
 
 
 def test_eagle_config_declares_aux_layers():
