@@ -1,12 +1,12 @@
 """The `Cache` protocol every trunk's cache honours, and the KV cache that implements it.
 
-`Cache` is the contract of rollback by length (DESIGN.md contract 2): a cache is preallocated
-for `capacity` slots per row, `length` int32[B] says how many are committed, and a forward writes
-its T new tokens at each row's `length` without committing them; the caller commits with
-`advance(n)` or rolls back with `set_length(l)`, and nothing is copied or erased. `max_rollback`
-says how far back behind the furthest committed length `set_length` may go with no forward in
-between: the loop and proposers size their rollbacks by it, and a cache asked for more raises
-`StateRollbackError` (eagerly; the hybrid cache also from inside a jitted program).
+`Cache` is the contract of rollback by length: a cache is preallocated for `capacity` slots per
+row, `length` int32[B] says how many are committed, and a forward writes its T new tokens at each
+row's `length` without committing them; the caller commits with `advance(n)` or rolls back with
+`set_length(l)`, and nothing is copied or erased. `max_rollback` says how far behind the furthest
+committed length `set_length` may go with no forward in between (a drafter that rolls back k
+drafts a round needs max_rollback >= k); asked for more, a cache raises `StateRollbackError`
+(eagerly; the hybrid cache also from inside a jitted program).
 
 `KVCache` is preallocated per-layer buffers plus per-row lengths. Rows of a batch advance
 independently, so every write lands at that row's own offset and every mask comes from that

@@ -7,7 +7,7 @@ logits head; this module holds the family's parameter layout and its forward.
 Layout, and why: weights stay `[out, in]` as HF and GGUF store them, and activations inside the
 trunk are feature-major, `[D, B*T]`, so every projection is `W @ h`. On XLA CPU that is the
 spelling whose cost grows slowest with T (T = 8 costs ~1.8x T = 1, against ~3.3x for `x @ W`;
-see shared/notes), and speculative verification is a T = k+1 forward. Layers are a Python list
+measured on this trunk), and speculative verification is a T = k+1 forward. Layers are a Python list
 (unrolled under jit): slicing a stacked `[L, ...]` weight per layer measured 9x slower here.
 
 Params pytree (float32 unless a loader says otherwise):
