@@ -20,7 +20,6 @@ from jaxspec import checkpoints
 from jaxspec.checkpoints import gguf as gguf_reader
 from jaxspec.checkpoints import store
 from jaxspec.config import Architecture
-from jaxspec.errors import CheckpointError
 from conftest import requires_default_model
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import jax
@@ -41,16 +41,19 @@ def assemble_params(
     tensors: Params,
     read: Callable[[str], np.ndarray],
     *,
-    source: pathlib.Path,
+    available: Container[str],
+    source: str,
+    path: pathlib.Path,
     progress: bool,
 ) -> Params:
     """The params tree as float32 numpy: each leaf read by name, transformed, shape-checked.
 
     shapes: the family's param_shapes(cfg); tensors: its TensorSource tree of the same
-    structure; `read(name)` returns the stored tensor as float32, or raises CheckpointError
-    naming the file when the tensor is absent.
+    structure; `read(name)` returns a stored tensor as float32, for any name in `available`.
+    Errors read "{source} {path} lacks tensor ..." (source: "GGUF file", "HF checkpoint"),
+    with the TensorSource's note saying why the config expects it.
     """
-    bar = tqdm(total=len(jax.tree.leaves(shapes, is_leaf=is_shape)), desc=f"loading {source.name}", unit="tensor",
+    bar = tqdm(total=len(jax.tree.leaves(shapes, is_leaf=is_shape)), desc=f"loading {path.name}", unit="tensor",
                disable=not progress)
 
     def build(shape_tree: Any, tensor_tree: Any) -> Any:
@@ -63,10 +66,12 @@ def assemble_params(
         return read_leaf(shape_tree, tensor_tree)
 
     def read_leaf(shape: tuple[int, ...], tensor: TensorSource) -> np.ndarray:
+        if tensor.name not in available:
+            raise CheckpointError(f"{source} {path} lacks tensor {tensor.name!r}{tensor.note}")
         array = tensor.apply(read(tensor.name))
         if tuple(array.shape) != shape:
             raise CheckpointError(
-                f"tensor {tensor.name!r} in {source} has shape {tuple(array.shape)}, expected {shape} from the config")
+                f"tensor {tensor.name!r} in {path} has shape {tuple(array.shape)}, expected {shape} from the config")
         bar.update()
         return np.ascontiguousarray(array, dtype=np.float32)
 

@@ -322,10 +322,5 @@ def params_from_gguf(gf: GGUFFile, cfg: Any, *, progress: bool = False) -> Param
     for info in gf.tensors.values():  # fail before minutes of work, not after
         check_dequantizable(info)
 
-    def read(name: str) -> np.ndarray:
-        if name not in gf.tensors:
-            raise CheckpointError(f"GGUF file {gf.path} lacks tensor {name!r}")
-        return gf.tensor(name)
-
-    return assemble_params(family.param_shapes(cfg), family.gguf_tensors(cfg, gf.architecture), read,
-                           source=gf.path, progress=progress)
+    return assemble_params(family.param_shapes(cfg), family.gguf_tensors(cfg, gf.architecture), gf.tensor,
+                           available=gf.tensors, source="GGUF file", path=gf.path, progress=progress)

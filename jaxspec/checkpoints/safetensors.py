@@ -147,11 +147,6 @@ def load_hf_dir(directory: pathlib.Path, *, progress: bool = False) -> tuple[Any
     tensors = family.hf_tensors(cfg, hf_prefix(family, files, directory))
     with contextlib.ExitStack() as stack:
         reader = SafetensorsReader(files, stack)
-
-        def read(name: str) -> np.ndarray:
-            if name not in files:
-                raise CheckpointError(f"HF checkpoint {directory} lacks tensor {name!r}")
-            return reader.read(name)
-
-        params = assemble_params(family.param_shapes(cfg), tensors, read, source=directory, progress=progress)
+        params = assemble_params(family.param_shapes(cfg), tensors, reader.read, available=files,
+                                 source="HF checkpoint", path=directory, progress=progress)
     return cfg, params

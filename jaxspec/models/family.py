@@ -35,6 +35,7 @@ class TensorSource:
     name: str  # the tensor's full name in the file
     # stored float32 values -> the param's values (None: taken as stored)
     transform: Callable[[np.ndarray], np.ndarray] | None = None
+    note: str = ""  # why the config implies this tensor, appended to "lacks tensor" errors
 
     def apply(self, stored: np.ndarray) -> np.ndarray:
         return stored if self.transform is None else self.transform(stored)

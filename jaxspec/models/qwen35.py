@@ -913,20 +913,20 @@ def _conv_kernel(stored: np.ndarray) -> np.ndarray:
     return stored[:, 0] if stored.ndim == 3 else stored  # HF Conv1d [C, 1, W] -> [C, W]
 
 
-def _hf_source(key: str, name: str) -> TensorSource:
-    if key in _ZERO_CENTRED:
-        return TensorSource(name, _add_one)
-    return TensorSource(name, _conv_kernel if key == "conv_weight" else None)
+def _hf_source(key: str, name: str, note: str = "") -> TensorSource:
+    transform = _add_one if key in _ZERO_CENTRED else _conv_kernel if key == "conv_weight" else None
+    return TensorSource(name, transform, note)
 
 
 def hf_tensors(cfg: Qwen35Config, prefix: str) -> Params:
     """The params tree of HF tensor names under `prefix` (one of _HF_PREFIXES), with transforms."""
     names: Params = {key: _hf_source(key, prefix + name) for key, name in _HF_TOP.items()}
-    names["layers"] = [{key: _hf_source(key, f"{prefix}layers.{index}.{name}")
+    names["layers"] = [{key: _hf_source(key, f"{prefix}layers.{index}.{name}",
+                                        f" (layer {index} is {kind.value} per config layer_types)")
                         for key, name in {**_HF_COMMON, **_HF_MIXER[kind]}.items()}
                        for index, kind in enumerate(cfg.layer_types)]
     if not cfg.tie_embeddings:
-        names["lm_head"] = TensorSource("lm_head.weight")
+        names["lm_head"] = TensorSource("lm_head.weight", note=" (tie_word_embeddings is false)")
     return names
 
 
