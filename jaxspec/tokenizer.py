@@ -1,6 +1,8 @@
 """Text <-> token ids for the models jaxspec serves, from an HF directory or a GGUF's metadata.
 
-Both sources end in one HF `tokenizers.Tokenizer` (Rust, fast) wrapped by `Tokenizer`, which owns
+An HF directory holds `tokenizer.json`, or only a sentencepiece `tokenizer.model` (converted by
+jaxspec.spm); a checkpoint with no tokenizer at all loads with none (`Tokenizer.from_checkpoint_source` -> None), and
+serves token-id prompts. All sources end in one HF `tokenizers.Tokenizer` (Rust, fast) wrapped by `Tokenizer`, which owns
 what the Rust object does not know: whether to prepend BOS, which ids end a turn, the chat template.
 Our `encode` never runs a `tokenizer.json` post-processor; BOS/EOS are added from explicit flags so
 that the HF and GGUF paths cannot disagree about them.
@@ -33,11 +35,15 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from jaxspec import spm
 from jaxspec.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["StreamDecoder", "Tokenizer"]
+
+# Files that make a directory's tokenizer, in the order from_dir prefers them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 class TokenType(enum.IntEnum):
@@ -249,6 +255,16 @@ class Tokenizer:
     # --- construction ----------------------------------------------------------------------------
 
     @classmethod
+    def from_checkpoint_source(cls, source: str | os.PathLike[str] | Mapping[str, Any]) -> Tokenizer | None:
+        """The tokenizer a checkpoint carries: a directory's files (`from_dir`) or a GGUF's
+        `tokenizer.*` metadata (`from_gguf_metadata`); None when it carries none at all."""
+        if isinstance(source, Mapping):
+            return cls.from_gguf_metadata(source) if "tokenizer.ggml.model" in source else None
+        if not any(os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES):
+            return None
+        return cls.from_dir(source)
+
+    @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """The tokenizer a GGUF describes, from its metadata (keys exactly as in the file).
 
@@ -281,13 +297,23 @@ class Tokenizer:
             raise CheckpointError(
                 f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
             )
+        for index, merge in enumerate(merges):
+            if not isinstance(merge, str) or len(merge.split(" ")) != 2:
+                raise CheckpointError(
+                    f"tokenizer.ggml.merges[{index}]={merge!r} is not two tokens separated by one space")
+        if not all(isinstance(token, str) for token in tokens):
+            raise CheckpointError("tokenizer.ggml.tokens holds a value that is not a string")
 
         def token_id(key: str) -> int | None:
             value = metadata.get(f"tokenizer.ggml.{key}")
             return None if value is None else int(value)
 
+        try:
+            hf = _gguf_byte_level_tokenizer(tokens, merges, token_types, spec)
+        except Exception as e:  # the Rust side raises bare Exceptions (e.g. a merge of unknown tokens)
+            raise CheckpointError(f"GGUF tokenizer metadata does not make a BPE tokenizer: {e}") from None
         return cls(
-            _gguf_byte_level_tokenizer(tokens, merges, token_types, spec),
+            hf,
             vocab_size=len(tokens),
             bos_token_id=token_id("bos_token_id"),
             eos_token_id=token_id("eos_token_id"),
@@ -305,27 +331,34 @@ class Tokenizer:
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """The tokenizer of an HF checkpoint directory.
 
-        Reads tokenizer.json (required), tokenizer_config.json (special tokens, add_bos_token,
-        chat_template), chat_template.jinja (newer transformers save the template there) and
-        generation_config.json (its eos_token_id, often a list, all end generation).
+        Reads tokenizer.json, else a sentencepiece tokenizer.model (one is required; the model
+        file's own bos/eos/pad/unk ids serve where the config names none), tokenizer_config.json
+        (special tokens, add_bos_token, chat_template), chat_template.jinja (newer transformers
+        save the template there) and generation_config.json (its eos_token_id, often a list, all
+        end generation).
         """
         path = os.fspath(path)
         tokenizer_json = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tokenizer_json):
-            raise CheckpointError(f"{path} has no tokenizer.json")
-        try:
-            hf = tokenizers.Tokenizer.from_file(tokenizer_json)
-        except Exception as e:  # the Rust side raises a bare Exception
-            raise CheckpointError(f"cannot load {tokenizer_json}: {e}") from e
+        sentencepiece_model = os.path.join(path, "tokenizer.model")
+        model_ids = spm.SpecialIds(bos=None, eos=None, pad=None, unk=None)
+        if os.path.isfile(tokenizer_json):
+            try:
+                hf = tokenizers.Tokenizer.from_file(tokenizer_json)
+            except Exception as e:  # the Rust side raises a bare Exception
+                raise CheckpointError(f"cannot load {tokenizer_json}: {e}") from e
+        elif os.path.isfile(sentencepiece_model):
+            hf, model_ids = spm.tokenizer_from_model_file(sentencepiece_model)
+        else:
+            raise CheckpointError(f"{path} has no tokenizer.json or tokenizer.model")
 
         config_path = os.path.join(path, "tokenizer_config.json")
         config = _read_json(config_path) if os.path.isfile(config_path) else {}
         generation_path = os.path.join(path, "generation_config.json")
         generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
 
-        def special_id(name: str) -> int | None:
+        def special_id(name: str) -> int | None:  # the config's token, else the model file's id
             content = _token_content(config.get(f"{name}_token"))
-            return None if content is None else hf.token_to_id(content)
+            return getattr(model_ids, name) if content is None else hf.token_to_id(content)
 
         bos_id, eos_id = special_id("bos"), special_id("eos")
         if bos_id is None and isinstance(generation.get("bos_token_id"), int):
