@@ -147,7 +147,9 @@ _GGUF_TOP = {
     "lm_head.weight": ("output.weight", QT.Q4_1),
 }
 
-TOKENS = [f"tok{i}" for i in range(TINY["vocab_size"])]
+# A loadable byte-level BPE vocabulary: "t o" and "to k" merge tokens of the list into "tok".
+TOKENS = ["t", "o", "k", "to", "tok"]
+TOKENS += [f"tok{i}" for i in range(TINY["vocab_size"] - len(TOKENS))]
 MERGES = ["t o", "to k"]
 
 
@@ -302,3 +304,28 @@ def copy_dir(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
     for file in src.iterdir():
         (dst / file.name).write_bytes(file.read_bytes())
     return dst
+
+
+# A tiny Qwen3.5 hybrid: three Gated DeltaNet layers then one attention layer (HF's default
+# pattern), partial RoPE, untied head.
+QWEN35_TEXT = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=8, linear_value_head_dim=12, max_position_embeddings=256, rms_norm_eps=1e-5,
+                   linear_conv_kernel_dim=4, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                   rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+
+
+def make_qwen35_checkpoint(directory: pathlib.Path, *, seed: int = 0) -> None:
+    """Save a random tiny Qwen3.5 text model (transformers' qwen3_5) with safetensors."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**QWEN35_TEXT))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):  # decay rates in the range a trained model has
+                param.copy_(torch.empty(param.shape).uniform_(0.05, 2.0).log())
+            else:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(directory, safe_serialization=True)
