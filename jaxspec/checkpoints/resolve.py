@@ -77,8 +77,9 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
         return packaged_head_path(name_or_path.lower())
     path = pathlib.Path(name_or_path).expanduser()
     if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path} (no such file or directory, and not one of the "
-                              f"names jaxspec knows: {', '.join(KNOWN_NAMES)})")
+        # A bare word was most likely meant as a name: say which names there are.
+        names = "" if os.sep in str(name_or_path) else f"; nor a name jaxspec knows: {', '.join(KNOWN_NAMES)}"
+        raise CheckpointError(f"checkpoint not found: {path} (no such file or directory{names})")
     path = path.resolve()
     if path.is_dir():
         if any((path / marker).is_file() for marker in (JAXSPEC_META, HF_CONFIG, MTP_HEAD_META)):
