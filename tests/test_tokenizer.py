@@ -279,55 +279,6 @@ def test_a_checkpoint_without_a_tokenizer_has_none(tmp_path):
     assert Tokenizer.from_checkpoint_source(_tiny_metadata()).vocab_size == len(_tiny_metadata()["tokenizer.ggml.tokens"])
 
 
-# --- sentencepiece tokenizer.model (no tokenizer.json), against sentencepiece itself ---------------
-
-SPM_CORPUS = [
-    "the quick brown fox jumps over the lazy dog",
-    "speculative decoding drafts tokens and the target verifies them",
-    "naïve café, ñandú; 日本語のテキスト",
-    "numbers 12345 and   several   spaces",
-    "hello world, hello there, world of tokens",
-] * 40
-SPM_TEXTS = ["the lazy fox", "  leading and trailing  ", "hello   world", "café ñ 日本", "unseen ZQX 😀 symbols",
-             "tokens", ""]
-
-
-@pytest.fixture(scope="module", params=["bpe", "unigram"])
-def spm_dir(request, tmp_path_factory) -> pathlib.Path:
-    """A directory holding only a tiny sentencepiece model trained here (byte fallback on)."""
-    import io
-
-    import sentencepiece
-
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(SPM_CORPUS), model_writer=model, model_type=request.param, vocab_size=310,
-        byte_fallback=True, character_coverage=0.98, user_defined_symbols=["<think>"], minloglevel=2)
-    directory = tmp_path_factory.mktemp(f"spm-{request.param}")
-    (directory / "tokenizer.model").write_bytes(model.getvalue())
-    return directory
-
-
-def test_sentencepiece_model_encodes_and_decodes_like_sentencepiece(spm_dir):
-    import sentencepiece
-
-    reference = sentencepiece.SentencePieceProcessor(model_file=str(spm_dir / "tokenizer.model"))
-    tokenizer = Tokenizer.from_dir(spm_dir)
-    assert tokenizer.vocab_size == reference.get_piece_size()
-    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (reference.bos_id(), reference.eos_id())
-    for text in [*SPM_TEXTS, "a <think> b"]:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        assert ids == reference.encode(text), text
-        assert tokenizer.decode(ids) == reference.decode(ids), text
-
-
-def test_sentencepiece_model_loads_when_tokenizer_json_is_absent_only(spm_dir, tmp_path):
-    assert Tokenizer.from_checkpoint_source(spm_dir) is not None
-    (tmp_path / "tokenizer.model").write_bytes(b"not a protobuf")
-    with pytest.raises(CheckpointError, match="not a sentencepiece model"):
-        Tokenizer.from_dir(tmp_path)
-
-
 def test_out_of_range_ids_are_named(tiny):
     v = tiny.vocab_size
     with pytest.raises(InvalidRequestError, match=f"token id {v} is out of range for vocab_size={v}"):

@@ -174,7 +174,7 @@ def load_mtp_head(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
 # MTP heads (inside their target's HF directory)
 # ----------------------------------------------------------------------------------------------
 
-# The head's own tensors per checkpoint layout; the block's follow _HF_NAMES under a prefix.
+# The head's own tensors per checkpoint layout; the block's follow llama.HF_NAMES under a prefix.
 # DeepSeek-V3 / GLM: the MTP layer is `model.layers.{L}` (L = num_hidden_layers), beside the block.
 # Qwen3-Next / Qwen3.5 / Mellum: an `mtp.` tree, the block under `mtp.layers.0.`.
 _MTP_LAYOUTS = {
