@@ -8,9 +8,12 @@ stored values to jaxspec's layout, e.g. llama.cpp's Q/K row permutation undone).
 builds its descriptor at its end and `jaxspec.models` registers it; `jaxspec.checkpoints` reads
 every format through these descriptors and never names a family itself.
 
-The contract between the three trees a family gives for one config: `param_shapes(cfg)`,
-`param_axes(cfg)`, `hf_tensors(cfg, prefix)` and `gguf_tensors(cfg, arch)` have the same pytree
-structure, leaf for leaf (shape tuples, axis-name tuples of the same rank, `TensorSource`s).
+The contract between the trees a family gives for one config: `param_shapes(cfg)`,
+`param_axes(cfg)`, `hf_tensors(cfg, prefix)` and `gguf_tensors(cfg, arch)` have the structure of
+the params pytree, leaf for leaf (shape tuples; axis-name tuples, one name per dimension;
+`TensorSource`s). Logical axis names (DESIGN.md contract 8) are "vocab", "embed", "heads",
+"kv_heads", "ffn" and None (replicated); a family may add its own (Qwen3.5's "linear_heads",
+"linear_channels").
 This module imports nothing from the loaders: models never depend on how files are read.
 """
 
@@ -23,9 +26,6 @@ from typing import Any
 import numpy as np
 
 Params = dict[str, Any]
-# Logical axis names (DESIGN.md contract 8): "vocab", "embed", "heads", "kv_heads", "ffn", None
-# (replicated); a family may add its own (Qwen3.5's "linear_heads", "linear_channels").
-Axes = tuple[str | None, ...]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,10 @@ Params pytree (float32 unless a loader says otherwise):
         q_bias [N*H]; k_bias [K*H]; v_bias [K*H]   (cfg.attention_bias)
         q_norm [H]; k_norm [H]                       (cfg.qk_norm)
         mlp_norm [D]; gate_proj [F, D]; up_proj [F, D]; down_proj [D, F]
-Q/K rows follow HF's rotate-half RoPE convention (GGUF loaders undo llama.cpp's permutation).
+Q/K rows follow HF's rotate-half RoPE convention (the GGUF tensor map undoes llama.cpp's permutation).
+
+`FAMILY`, at the end of this module, describes the layout to the loaders (jaxspec.models.family):
+shapes, logical axes, HF and GGUF tensor names, and the GGUF config parse.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ Params pytree (float32):
         LINEAR_ATTENTION: qkv_proj [C, D]; z_proj [E*Y, D]; b_proj [E, D]; a_proj [E, D];
             conv_weight [C, W]; A_log [E]; dt_bias [E]; out_norm [Y]; out_proj [D, E*Y]
 RMSNorm weights are stored as the multiplier: HF's Qwen3.5 norms are zero-centred (x * (1 + w)),
-and the loader adds the 1 once, so the forward shares `llama.rms_norm`. The gated output norm
+and the family descriptor's HF tensor map (end of this module) adds the 1 once on load, so the
+forward shares `llama.rms_norm`. The gated output norm
 (`out_norm`) is not zero-centred in HF and is stored as is.
 """
 
