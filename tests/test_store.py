@@ -6,7 +6,9 @@ A cache hit must skip dequantization (counted through the one decoding seam,
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import time
 
 import gguf
@@ -20,6 +22,7 @@ from jaxspec import checkpoints
 from jaxspec.checkpoints import gguf as gguf_reader
 from jaxspec.checkpoints import store
 from jaxspec.config import Architecture
+from jaxspec.errors import CheckpointError, UnsupportedModelError
 from conftest import requires_default_model
 
 
@@ -102,6 +105,38 @@ def test_interrupted_cache_write_leaves_no_entry(tiny_gguf, monkeypatch, count_d
     count_dequantize[0] = 0
     checkpoints.load_checkpoint(path)
     assert count_dequantize[0] == 0
+
+
+@pytest.fixture
+def converted(tiny_gguf, tmp_path) -> pathlib.Path:
+    return checkpoints.convert(tiny_gguf[0], tmp_path / "converted")
+
+
+def rewrite_meta(directory: pathlib.Path, **changes) -> None:
+    meta = json.loads((directory / checkpoints.JAXSPEC_META).read_text())
+    meta.update(changes)
+    meta = {key: value for key, value in meta.items() if value is not None}
+    (directory / checkpoints.JAXSPEC_META).write_text(json.dumps(meta))
+
+
+def test_converted_directory_records_its_family(converted, tiny_gguf):
+    meta = json.loads((converted / checkpoints.JAXSPEC_META).read_text())
+    assert (meta["format"], meta["format_version"], meta["family"]) == ("jaxspec", store.FORMAT_VERSION, "llama")
+    assert (converted / store.GGUF_TOKENIZER_FILE).is_file()
+    # Directories written before families existed have no "family": they hold a Llama config.
+    rewrite_meta(converted, family=None)
+    fx.assert_params_equal(checkpoints.load_checkpoint(converted).params, tiny_gguf[1])
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(format_version=99), CheckpointError, "format_version 99; this jaxspec reads 1"),
+    (dict(family="rwkv"), UnsupportedModelError, "model family 'rwkv' is not known"),
+    (dict(config={"dim": 8}), CheckpointError, "holds no valid llama config"),
+])
+def test_converted_directory_metadata_errors_are_named(converted, changes, error, message):
+    rewrite_meta(converted, **changes)
+    with pytest.raises(error, match=message):
+        checkpoints.load_checkpoint(converted)
 
 
 @pytest.mark.real_model
