@@ -127,3 +127,10 @@ def test_default_model_info_convert_round_trip(tmp_path):
     assert copy.tokenizer.encode(prompt) == original.tokenizer.encode(prompt)
     assert (jaxspec.generate(copy, prompt=prompt, max_new_tokens=8).tokens
             == jaxspec.generate(original, prompt=prompt, max_new_tokens=8).tokens)
+
+
+def test_a_checkpoint_without_a_tokenizer_serves_token_ids_only(sources):
+    model = jaxspec.load(str(sources["llama-hf"]))
+    assert model.tokenizer is None
+    with pytest.raises(jaxspec.InvalidRequestError, match="no tokenizer: pass token ids"):
+        jaxspec.generate(model, prompt="hello", max_new_tokens=2)
