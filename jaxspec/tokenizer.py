@@ -170,7 +170,11 @@ class Tokenizer:
 
         def token_id(key: str) -> int | None:
             value = metadata.get(f"tokenizer.ggml.{key}")
-            return None if value is None else int(value)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise CheckpointError(f"tokenizer.ggml.{key}={value!r} is not a token id")
+            return value
 
         try:
             hf = gguf_tokenizer.byte_level_bpe(tokens, merges, token_types, spec)

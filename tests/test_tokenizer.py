@@ -232,6 +232,11 @@ def test_malformed_gguf_merges_raise_checkpoint_error(merges, problem):
         Tokenizer.from_gguf_metadata(_tiny_metadata(**{"tokenizer.ggml.merges": merges}))
 
 
+def test_malformed_gguf_special_token_ids_raise_checkpoint_error():
+    with pytest.raises(CheckpointError, match=r"tokenizer\.ggml\.bos_token_id='1' is not a token id"):
+        Tokenizer.from_gguf_metadata(_tiny_metadata(**{"tokenizer.ggml.bos_token_id": "1"}))
+
+
 def test_a_checkpoint_without_a_tokenizer_has_none(tmp_path):
     assert Tokenizer.from_checkpoint_source(tmp_path) is None
     assert Tokenizer.from_checkpoint_source({"tokenizer.ggml.bos_token_id": 1}) is None
