@@ -49,8 +49,7 @@ def load(name_or_path: str = DEFAULT_MODEL, *, use_cache: bool = True, progress:
     if head is not None:
         return head
     ckpt = checkpoints.load_checkpoint(path, use_cache=use_cache, progress=progress)
-    source = ckpt.tokenizer_source
-    tokenizer = Tokenizer.from_gguf_metadata(source) if isinstance(source, dict) else Tokenizer.from_dir(source)
+    tokenizer = Tokenizer.from_checkpoint_source(ckpt.tokenizer_source)  # None: token-id prompts only
     return Model(config=ckpt.config, params=ckpt.params, tokenizer=tokenizer, source=str(ckpt.source))
 
 

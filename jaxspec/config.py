@@ -1,14 +1,15 @@
-"""Frozen, hashable model configs (static under jit) and HF config.json parsing.
+"""Frozen, hashable model configs (static under jit), HF config.json parsing, and the JSON form.
 
-Every checkpoint reader (HF directories, GGUF files) ends in a `ModelConfig`; the RoPE width is
-resolved here once, by `resolve_rotary_dim`, so the readers cannot disagree about it.
+Every checkpoint reader (HF directories, GGUF files) of a Llama-family trunk ends in a
+`ModelConfig`; the RoPE width is resolved here once, by `resolve_rotary_dim`, and RoPE theta and
+scaling by `_rope_settings`, so the readers (Qwen3.5's included) cannot disagree about them.
+`config_to_dict` / `config_from_dict` are the form a converted directory stores.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +27,7 @@ class Architecture(enum.Enum):
 
 
 # HF `model_type` / `architectures[0]` -> family.
-_HF_MODEL_TYPES = {
+HF_MODEL_TYPES = {
     "llama": Architecture.LLAMA,
     "mistral": Architecture.MISTRAL,
     "qwen2": Architecture.QWEN2,
@@ -128,9 +129,6 @@ class RopeScaling:
         return self.original_max_position_embeddings if self.rope_type is RopeType.LONGROPE else None
 
 
-# The name checkpoints.config_from_dict reads a stored scaling with (converted directories written
-# before RopeScaling hold llama3 fields without a rope_type); it goes with the loaders' move.
-Llama3RopeScaling = functools.partial(RopeScaling, rope_type=RopeType.LLAMA3)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -286,13 +284,13 @@ def _per_layer_type_view(hf: Mapping[str, Any], layer_type: str = "full_attentio
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Parse an HF `config.json` dict. Raises UnsupportedModelError naming what is unsupported."""
     model_type = hf.get("model_type")
-    if model_type not in _HF_MODEL_TYPES:
+    if model_type not in HF_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; jaxspec reads {sorted(_HF_MODEL_TYPES)}"
+            f"model_type {model_type!r} is not supported; jaxspec reads {sorted(HF_MODEL_TYPES)}"
         )
     if model_type == "mellum":
         hf = _per_layer_type_view(hf)
-    architecture = _HF_MODEL_TYPES[model_type]
+    architecture = HF_MODEL_TYPES[model_type]
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
     try:
@@ -301,6 +299,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         head_dim = int(hf.get("head_dim") or dim // num_heads)
         theta, scaling = _rope_settings(hf)
         context = int(hf.get("max_position_embeddings", 2048))
+        if scaling is not None and scaling.context_limit:
+            context = min(context, scaling.context_limit)  # longrope: exact only up to here
         if hf.get("use_sliding_window", model_type == "mistral") and hf.get("sliding_window"):
             # Attention is full up to the window; past it the model would need a ring cache.
             context = min(context, int(hf["sliding_window"]))
@@ -326,3 +326,33 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         )
     except KeyError as missing:
         raise UnsupportedModelError(f"config.json lacks required field {missing}") from None
+
+
+def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """JSON-able form of a ModelConfig (enum by value, tuples as lists)."""
+    out = dataclasses.asdict(cfg)
+    out["architecture"] = cfg.architecture.value
+    out["eos_token_ids"] = list(cfg.eos_token_ids)
+    return out
+
+
+def config_from_dict(data: Mapping[str, Any]) -> ModelConfig:
+    """Inverse of config_to_dict. Raises UnsupportedModelError on fields it does not know."""
+    fields = dict(data)
+    unknown = set(fields) - {field.name for field in dataclasses.fields(ModelConfig)}
+    if unknown:
+        raise UnsupportedModelError(f"config fields {sorted(unknown)} are not ModelConfig's (a newer jaxspec?)")
+    fields["architecture"] = Architecture(fields.get("architecture", Architecture.LLAMA.value))
+    fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+    fields["rope_scaling"] = rope_scaling_from_dict(fields.get("rope_scaling"))
+    return ModelConfig(**fields)
+
+
+def rope_scaling_from_dict(data: Mapping[str, Any] | None) -> RopeScaling | None:
+    """A RoPE scaling written by `dataclasses.asdict` (converted directories), back as a dataclass.
+
+    Directories converted before `RopeScaling` existed hold Llama-3 fields with no `rope_type`.
+    """
+    if data is None:
+        return None
+    return RopeScaling(**{"rope_type": RopeType.LLAMA3, **data})

@@ -1,15 +1,14 @@
 """Text <-> token ids for the models jaxspec serves, from an HF directory or a GGUF's metadata.
 
-Both sources end in one HF `tokenizers.Tokenizer` (Rust, fast) wrapped by `Tokenizer`, which owns
+Sources: an HF directory's `tokenizer.json`, or only its sentencepiece `tokenizer.model`
+(rebuilt by jaxspec.spm); a GGUF's `tokenizer.*` metadata (rebuilt by jaxspec.gguf_tokenizer the
+way llama.cpp splits text). A checkpoint with no tokenizer at all loads with none
+(`Tokenizer.from_checkpoint_source` -> None) and serves token-id prompts.
+
+All sources end in one HF `tokenizers.Tokenizer` (Rust, fast) wrapped by `Tokenizer`, which owns
 what the Rust object does not know: whether to prepend BOS, which ids end a turn, the chat template.
 Our `encode` never runs a `tokenizer.json` post-processor; BOS/EOS are added from explicit flags so
 that the HF and GGUF paths cannot disagree about them.
-
-A GGUF carries no `tokenizer.json`, only llama.cpp's description of one (tokens, merges, token
-types and a pre-tokenizer *name*). The pre-tokenizer is rebuilt from the regexes llama.cpp uses for
-that name (`src/llama-vocab.cpp`, `llm_tokenizer_bpe`), applied the way llama.cpp applies them: each
-regex in turn splits every piece further, keeping matched and unmatched text as pieces (HF
-`Split(behavior="isolated")`), then byte-level encoding without a regex of its own.
 
 Decoding never applies HF's `clean_up_tokenization_spaces`: it rewrites " ." to "." and so would
 break both `decode(encode(s)) == s` and streaming (`StreamDecoder`), which must add up to `decode`.
@@ -17,9 +16,7 @@ break both `decode(encode(s)) == s` and streaming (`StreamDecoder`), which must 
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import enum
 import functools
 import json
 import logging
@@ -31,89 +28,17 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
 
+from jaxspec import gguf_tokenizer, spm
 from jaxspec.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["StreamDecoder", "Tokenizer"]
 
+# Files that make a directory's tokenizer, in the order from_dir prefers them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
-class TokenType(enum.IntEnum):
-    """`tokenizer.ggml.token_type` values (llama.cpp `llama_token_type`)."""
-
-    UNDEFINED = 0
-    NORMAL = 1
-    UNKNOWN = 2
-    CONTROL = 3
-    USER_DEFINED = 4
-    UNUSED = 5
-    BYTE = 6
-
-
-# --- llama.cpp pre-tokenizers -------------------------------------------------------------------
-# The regexes are llama.cpp's (`llm_tokenizer_bpe` constructor), verbatim; llama.cpp rewrote the
-# case-insensitive `(?i:'s|...)` of the original tokenizer.json files as `'[sS]|...`.
-
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3_REGEX = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _PreTokenizerSpec:
-    """How llama.cpp splits text for one `tokenizer.ggml.pre` value."""
-
-    regexes: tuple[str, ...]
-    # llama.cpp looks a whole pre-token up in the vocab before merging (Llama 3's tokenizer.json
-    # sets `ignore_merges` too): some of its tokens are not reachable by the merges alone.
-    ignore_merges: bool = False
-    # What llama.cpp assumes when the file has no `tokenizer.ggml.add_bos_token`.
-    add_bos: bool = False
-
-
-_DEFAULT_SPEC = _PreTokenizerSpec(
-    regexes=(r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]")
-)
-_GPT2_SPEC = _PreTokenizerSpec(regexes=(_GPT2_REGEX,))
-# Every digit is its own piece, then GPT-2's regex: SmolLM's tokenizer.json says the same as
-# Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)].
-_DIGITS_GPT2_SPEC = _PreTokenizerSpec(regexes=(r"\p{N}", _GPT2_REGEX))
-_LLAMA3_SPEC = _PreTokenizerSpec(regexes=(_LLAMA3_REGEX,), ignore_merges=True, add_bos=True)
-_QWEN2_SPEC = _PreTokenizerSpec(regexes=(_QWEN2_REGEX,))
-
-# `tokenizer.ggml.pre` -> spec; names and groupings as in llama.cpp's `llama_vocab::impl::load`.
-_PRE_TOKENIZERS: dict[str, _PreTokenizerSpec] = {
-    "default": _DEFAULT_SPEC,
-    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais"), _GPT2_SPEC),
-    **dict.fromkeys(
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
-        _DIGITS_GPT2_SPEC,
-    ),
-    **dict.fromkeys(
-        (
-            "llama3",
-            "llama-v3",
-            "llama-bpe",
-            "falcon3",
-            "falcon-h1",
-            "pixtral",
-            "midm-2.0",
-            "lfm2",
-            "dbrx",
-            "smaug-bpe",
-        ),
-        _LLAMA3_SPEC,
-    ),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _QWEN2_SPEC),
-}
 
 # Tokens that end an assistant turn in common chat templates. One of them counts as an end token
 # only if the model's template writes it, so a base model's `<|endoftext|>` does not cut a chat short.
@@ -126,61 +51,6 @@ _END_OF_TURN_TOKENS = (
     "<end_of_turn>",
     "<|end|>",
 )
-
-
-@functools.cache
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, in which byte-level vocabularies are spelled."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    mapping = {byte: chr(byte) for byte in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in mapping:
-            mapping[byte] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-def _byte_level_spelling(token: str) -> str:
-    """A token as a byte-level vocabulary spells it; most GGUF tokens already are."""
-    alphabet = _bytes_to_unicode()
-    if set(token) <= set(alphabet.values()):
-        return token
-    return "".join(alphabet[byte] for byte in token.encode("utf-8"))
-
-
-def _gguf_byte_level_tokenizer(
-    tokens: Sequence[str],
-    merges: Sequence[str],
-    token_types: Sequence[int],
-    spec: _PreTokenizerSpec,
-) -> tokenizers.Tokenizer:
-    """Byte-level BPE from llama.cpp's gpt2 vocabulary, with its special tokens made whole."""
-    # Control, unknown and user-defined tokens are matched whole in the text before BPE runs (as
-    # llama.cpp does), so they keep their literal spelling: re-spelling "<think>\n" byte-level would
-    # make the added token a *new* id instead of the one the model was trained with.
-    whole = {TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED}
-    vocab: dict[str, int] = {}
-    for token_id, (token, token_type) in enumerate(zip(tokens, token_types, strict=True)):
-        spelled = token if token_type in whole else _byte_level_spelling(token)
-        vocab.setdefault(spelled, token_id)
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=spec.ignore_merges)
-    hf = tokenizers.Tokenizer(bpe)
-    hf.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(tokenizers.Regex(regex), behavior="isolated") for regex in spec.regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
-    hf.decoder = decoders.ByteLevel()
-    added = [
-        tokenizers.AddedToken(token, special=token_type != TokenType.USER_DEFINED, normalized=False)
-        for token, token_type in zip(tokens, token_types, strict=True)
-        if token_type in whole
-    ]
-    hf.add_special_tokens([token for token in added if token.special])
-    hf.add_tokens([token for token in added if not token.special])
-    return hf
 
 
 def _token_content(value: Any) -> str | None:
@@ -249,6 +119,16 @@ class Tokenizer:
     # --- construction ----------------------------------------------------------------------------
 
     @classmethod
+    def from_checkpoint_source(cls, source: str | os.PathLike[str] | Mapping[str, Any]) -> Tokenizer | None:
+        """The tokenizer a checkpoint carries: a directory's files (`from_dir`) or a GGUF's
+        `tokenizer.*` metadata (`from_gguf_metadata`); None when it carries none at all."""
+        if isinstance(source, Mapping):
+            return cls.from_gguf_metadata(source) if "tokenizer.ggml.model" in source else None
+        if not any(os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES):
+            return None
+        return cls.from_dir(source)
+
+    @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """The tokenizer a GGUF describes, from its metadata (keys exactly as in the file).
 
@@ -265,29 +145,43 @@ class Tokenizer:
             # llama.cpp does the same, and warns that quality degrades.
             logger.warning("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer")
             pre = "default"
-        spec = _PRE_TOKENIZERS.get(pre)
+        spec = gguf_tokenizer.PRE_TOKENIZERS.get(pre)
         if spec is None:
             raise UnsupportedModelError(
                 f"tokenizer.ggml.pre={pre!r} is not a supported pre-tokenizer; supported: "
-                f"{', '.join(sorted(_PRE_TOKENIZERS))}"
+                f"{', '.join(sorted(gguf_tokenizer.PRE_TOKENIZERS))}"
             )
         try:
             tokens = list(metadata["tokenizer.ggml.tokens"])
             merges = list(metadata["tokenizer.ggml.merges"])
         except KeyError as e:
             raise CheckpointError(f"GGUF metadata lacks {e.args[0]}, needed for a BPE tokenizer") from e
-        token_types = list(metadata.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens)))
+        token_types = list(metadata.get("tokenizer.ggml.token_type", [gguf_tokenizer.TokenType.NORMAL] * len(tokens)))
         if len(token_types) != len(tokens):
             raise CheckpointError(
                 f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
             )
+        for index, merge in enumerate(merges):
+            if not isinstance(merge, str) or len(merge.split(" ")) != 2:
+                raise CheckpointError(
+                    f"tokenizer.ggml.merges[{index}]={merge!r} is not two tokens separated by one space")
+        if not all(isinstance(token, str) for token in tokens):
+            raise CheckpointError("tokenizer.ggml.tokens holds a value that is not a string")
 
         def token_id(key: str) -> int | None:
             value = metadata.get(f"tokenizer.ggml.{key}")
-            return None if value is None else int(value)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise CheckpointError(f"tokenizer.ggml.{key}={value!r} is not a token id")
+            return value
 
+        try:
+            hf = gguf_tokenizer.byte_level_bpe(tokens, merges, token_types, spec)
+        except Exception as e:  # the Rust side raises bare Exceptions (e.g. a merge of unknown tokens)
+            raise CheckpointError(f"GGUF tokenizer metadata does not make a BPE tokenizer: {e}") from None
         return cls(
-            _gguf_byte_level_tokenizer(tokens, merges, token_types, spec),
+            hf,
             vocab_size=len(tokens),
             bos_token_id=token_id("bos_token_id"),
             eos_token_id=token_id("eos_token_id"),
@@ -305,27 +199,34 @@ class Tokenizer:
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """The tokenizer of an HF checkpoint directory.
 
-        Reads tokenizer.json (required), tokenizer_config.json (special tokens, add_bos_token,
-        chat_template), chat_template.jinja (newer transformers save the template there) and
-        generation_config.json (its eos_token_id, often a list, all end generation).
+        Reads tokenizer.json, else a sentencepiece tokenizer.model (one is required; the model
+        file's own bos/eos/pad/unk ids serve where the config names none), tokenizer_config.json
+        (special tokens, add_bos_token, chat_template), chat_template.jinja (newer transformers
+        save the template there) and generation_config.json (its eos_token_id, often a list, all
+        end generation).
         """
         path = os.fspath(path)
         tokenizer_json = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tokenizer_json):
-            raise CheckpointError(f"{path} has no tokenizer.json")
-        try:
-            hf = tokenizers.Tokenizer.from_file(tokenizer_json)
-        except Exception as e:  # the Rust side raises a bare Exception
-            raise CheckpointError(f"cannot load {tokenizer_json}: {e}") from e
+        sentencepiece_model = os.path.join(path, "tokenizer.model")
+        model_ids = spm.SpecialIds(bos=None, eos=None, pad=None, unk=None)
+        if os.path.isfile(tokenizer_json):
+            try:
+                hf = tokenizers.Tokenizer.from_file(tokenizer_json)
+            except Exception as e:  # the Rust side raises a bare Exception
+                raise CheckpointError(f"cannot load {tokenizer_json}: {e}") from e
+        elif os.path.isfile(sentencepiece_model):
+            hf, model_ids = spm.tokenizer_from_model_file(sentencepiece_model)
+        else:
+            raise CheckpointError(f"{path} has no tokenizer.json or tokenizer.model")
 
         config_path = os.path.join(path, "tokenizer_config.json")
         config = _read_json(config_path) if os.path.isfile(config_path) else {}
         generation_path = os.path.join(path, "generation_config.json")
         generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
 
-        def special_id(name: str) -> int | None:
+        def special_id(name: str) -> int | None:  # the config's token, else the model file's id
             content = _token_content(config.get(f"{name}_token"))
-            return None if content is None else hf.token_to_id(content)
+            return getattr(model_ids, name) if content is None else hf.token_to_id(content)
 
         bos_id, eos_id = special_id("bos"), special_id("eos")
         if bos_id is None and isinstance(generation.get("bos_token_id"), int):

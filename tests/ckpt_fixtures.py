@@ -1,5 +1,9 @@
 """Tiny checkpoints the checkpoint tests write themselves: HF directories and GGUF files.
 
+Also the fixtures the checkpoint test modules share (import them by name: `from ckpt_fixtures
+import hf_dirs`): a private weight cache, the HF variants, a tiny GGUF. torch and transformers
+are imported only inside the functions that write HF checkpoints.
+
 The GGUF writer here mirrors llama.cpp's convert_hf_to_gguf.py (tensor names, metadata keys and
 LlamaModel.permute of Q/K rows) independently of jaxspec.checkpoints, so a loader bug cannot hide
 behind a shared helper.
@@ -12,9 +16,9 @@ import pathlib
 from typing import Any
 
 import gguf
+import jax
 import numpy as np
-import torch
-import transformers
+import pytest
 
 QT = gguf.GGMLQuantizationType
 
@@ -32,11 +36,9 @@ TINY = dict(
     eos_token_id=2,
 )
 
-_CONFIG_CLASSES = {
-    "llama": transformers.LlamaConfig,
-    "qwen2": transformers.Qwen2Config,
-    "qwen3": transformers.Qwen3Config,
-}
+# model_type -> the transformers config class that writes it (looked up when a checkpoint is made,
+# so importing these fixtures does not import torch).
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
 def make_hf_checkpoint(
@@ -44,27 +46,30 @@ def make_hf_checkpoint(
     *,
     model_type: str = "llama",
     tie: bool = False,
-    dtype: torch.dtype = torch.float32,
+    dtype: str = "float32",
     max_shard_size: str | None = None,
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
     """Save a random tiny HF model; returns its state dict as float32 numpy (the ground truth).
 
     Every parameter, norms and biases included, is drawn at random so that a swapped or
-    misnamed tensor cannot pass by being all ones or zeros.
+    misnamed tensor cannot pass by being all ones or zeros. `dtype` names a torch dtype.
     """
+    import torch
+    import transformers
+
     extra: dict[str, Any] = {"tie_word_embeddings": tie, "rope_theta": 50000.0}
     if model_type == "qwen3":
         extra["head_dim"] = 32  # != D/N, as in real Qwen3: exercises attention.key_length
     if model_type == "qwen2":
         extra["use_sliding_window"] = False
-    config = _CONFIG_CLASSES[model_type](**TINY, **extra)
+    config = getattr(transformers, _CONFIG_CLASSES[model_type])(**TINY, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.5)
-    model = model.to(dtype)
+    model = model.to(getattr(torch, dtype))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     (directory / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
@@ -142,7 +147,9 @@ _GGUF_TOP = {
     "lm_head.weight": ("output.weight", QT.Q4_1),
 }
 
-TOKENS = [f"tok{i}" for i in range(TINY["vocab_size"])]
+# A loadable byte-level BPE vocabulary: "t o" and "to k" merge tokens of the list into "tok".
+TOKENS = ["t", "o", "k", "to", "tok"]
+TOKENS += [f"tok{i}" for i in range(TINY["vocab_size"] - len(TOKENS))]
 MERGES = ["t o", "to k"]
 
 
@@ -234,3 +241,91 @@ def _add(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: QT) -> None:
 
 def hf_config(directory: pathlib.Path) -> dict[str, Any]:
     return json.loads((directory / "config.json").read_text())
+
+
+def assert_params_equal(actual: dict, expected: dict) -> None:
+    """Same tree, float32 jax arrays, bit-identical values."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+        name = jax.tree_util.keystr(path)
+        assert isinstance(got, jax.Array), name
+        assert got.dtype == np.float32, name
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Every test in a module that imports this caches under tmp, never in ~/.cache."""
+    path = tmp_path_factory.mktemp("jaxspec-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXSPEC_CACHE_DIR", str(path))
+        yield path
+
+
+HF_VARIANTS = {
+    "llama-untied": dict(model_type="llama", tie=False),
+    "llama-tied": dict(model_type="llama", tie=True),
+    "qwen2-bias": dict(model_type="qwen2", tie=False),
+    "qwen3-qknorm-tied": dict(model_type="qwen3", tie=True),
+    "llama-bf16": dict(model_type="llama", tie=False, dtype="bfloat16"),
+    "llama-sharded": dict(model_type="llama", tie=False, max_shard_size="40KB"),
+}
+
+
+class HFDirs(dict):
+    """HF_VARIANTS name -> (directory, ground-truth state dict), each written on first use."""
+
+    def __init__(self, factory: pytest.TempPathFactory):
+        super().__init__()
+        self._factory = factory
+
+    def __missing__(self, name: str) -> tuple[pathlib.Path, dict[str, np.ndarray]]:
+        directory = self._factory.mktemp(name)
+        self[name] = directory, make_hf_checkpoint(directory, **HF_VARIANTS[name])
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> HFDirs:
+    return HFDirs(tmp_path_factory)
+
+
+@pytest.fixture
+def tiny_gguf(hf_dirs, tmp_path) -> tuple[pathlib.Path, dict]:
+    """A GGUF written from the untied Llama variant, and the params it must load as."""
+    directory, state_dict = hf_dirs["llama-untied"]
+    path = tmp_path / "tiny.gguf"
+    return path, write_gguf(path, state_dict, hf_config(directory))
+
+
+def copy_dir(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    """A copy of a (flat) checkpoint directory, for tests that damage it."""
+    dst.mkdir()
+    for file in src.iterdir():
+        (dst / file.name).write_bytes(file.read_bytes())
+    return dst
+
+
+# A tiny Qwen3.5 hybrid: three Gated DeltaNet layers then one attention layer (HF's default
+# pattern), partial RoPE, untied head.
+QWEN35_TEXT = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=8, linear_value_head_dim=12, max_position_embeddings=256, rms_norm_eps=1e-5,
+                   linear_conv_kernel_dim=4, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                   rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+
+
+def make_qwen35_checkpoint(directory: pathlib.Path, *, seed: int = 0) -> None:
+    """Save a random tiny Qwen3.5 text model (transformers' qwen3_5) with safetensors."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**QWEN35_TEXT))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):  # decay rates in the range a trained model has
+                param.copy_(torch.empty(param.shape).uniform_(0.05, 2.0).log())
+            else:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(directory, safe_serialization=True)

@@ -126,7 +126,7 @@ def test_head_weights_are_what_transformers_reads(hf_models, head):
     for ours, theirs in (("enorm", "enorm.weight"), ("hnorm", "hnorm.weight"), ("eh_proj", "eh_proj.weight"),
                          ("post_norm", "post_norm.weight")):
         np.testing.assert_array_equal(np.asarray(head.params[ours]), state[layer + theirs])
-    for key, name in checkpoints._HF_NAMES.items():
+    for key, name in llama.HF_NAMES.items():
         if key in head.params["block"]:
             np.testing.assert_array_equal(np.asarray(head.params["block"][key]), state[f"{layer}mtp_block.{name}"])
     assert head.config.num_checkpoint_layers == 1 and not head.config.hidden_first

@@ -1,46 +1,83 @@
-"""Trunks and draft heads: pure forward functions over params pytrees.
+"""Trunks and draft heads: pure forward functions over params pytrees, and the family registry.
 
 `forward` and `create_cache` dispatch on the config's type, so the loop and the proposers run
-any trunk: a model module registers its config class with its forward and its cache factory.
-Every trunk honours one contract:
+any trunk: each trunk module describes itself with a `Family` (jaxspec.models.family) and is
+registered here. Every trunk honours one contract:
 
     forward(params, cfg, tokens [B, T], cache, *, positions=None, logit_indices=None,
             hidden_layers=()) -> (logits [B, P, V], hiddens, cache)
 
 writing the T new tokens at each row's `cache.length` without advancing it; the caller commits
 with `cache.advance(n)` / `cache.set_length(...)` (rollback by length, DESIGN.md contract 2).
+
+The same registry is how the checkpoint readers find a family: by config type, by HF
+`model_type`, by GGUF `general.architecture`, or by the name a converted directory records.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
-from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig
+from jaxspec.errors import UnsupportedModelError
 from jaxspec.models import llama, qwen35
+from jaxspec.models.family import Family
 
-# config class -> (forward, create_cache(cfg, batch, capacity))
-_TRUNKS: dict[type, tuple[Callable[..., Any], Callable[..., Any]]] = {
-    ModelConfig: (llama.forward, KVCache.create),
-    qwen35.Qwen35Config: (qwen35.forward, qwen35.Qwen35Cache.create),
-}
+FAMILIES: dict[str, Family] = {}  # family name -> descriptor, in registration order
 
 
-def register_trunk(config_class: type, forward_fn: Callable[..., Any], cache_factory: Callable[..., Any]) -> None:
-    _TRUNKS[config_class] = (forward_fn, cache_factory)
+def register_family(family: Family) -> None:
+    """Add a trunk family; its name, config class, HF model_types and GGUF architectures must be new."""
+    for other in FAMILIES.values():
+        claimed = (set(family.hf_model_types) & set(other.hf_model_types)
+                   | set(family.gguf_architectures) & set(other.gguf_architectures))
+        if family.name == other.name or family.config_class is other.config_class or claimed:
+            raise ValueError(f"family {family.name!r} overlaps the registered {other.name!r}")
+    FAMILIES[family.name] = family
 
 
-def _trunk(cfg) -> tuple[Callable[..., Any], Callable[..., Any]]:
+register_family(llama.FAMILY)
+register_family(qwen35.FAMILY)
+
+
+def family_of(cfg: Any) -> Family:
+    """The family whose config class `cfg` is (exact type: a subclass is a different family)."""
+    for family in FAMILIES.values():
+        if type(cfg) is family.config_class:
+            return family
+    raise TypeError(f"no trunk family registered for config type {type(cfg).__name__}")
+
+
+def family_named(name: str) -> Family:
     try:
-        return _TRUNKS[type(cfg)]
+        return FAMILIES[name]
     except KeyError:
-        raise TypeError(f"no trunk registered for config type {type(cfg).__name__}") from None
+        raise UnsupportedModelError(f"model family {name!r} is not known; jaxspec has {sorted(FAMILIES)}") from None
+
+
+def family_for_hf(hf: Mapping[str, Any]) -> Family:
+    """The family that claims an HF config.json's `model_type`."""
+    model_type = hf.get("model_type")
+    for family in FAMILIES.values():
+        if model_type in family.hf_model_types:
+            return family
+    supported = sorted(t for family in FAMILIES.values() for t in family.hf_model_types)
+    raise UnsupportedModelError(f"model_type {model_type!r} is not supported; jaxspec reads {supported}")
+
+
+def family_for_gguf(architecture: str, source: str) -> Family:
+    """The family that claims a GGUF file's `general.architecture`."""
+    for family in FAMILIES.values():
+        if architecture in family.gguf_architectures:
+            return family
+    supported = sorted(a for family in FAMILIES.values() for a in family.gguf_architectures)
+    raise UnsupportedModelError(
+        f"GGUF architecture {architecture!r} in {source} is not supported; jaxspec reads {supported}")
 
 
 def forward(params, cfg, tokens, cache, **kwargs):
-    return _trunk(cfg)[0](params, cfg, tokens, cache, **kwargs)
+    return family_of(cfg).forward(params, cfg, tokens, cache, **kwargs)
 
 
 def create_cache(cfg, batch: int, capacity: int, **kwargs):
-    return _trunk(cfg)[1](cfg, batch, capacity, **kwargs)
+    return family_of(cfg).create_cache(cfg, batch, capacity, **kwargs)

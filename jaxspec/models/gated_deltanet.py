@@ -19,17 +19,31 @@ Y value head dim, C conv channels (2*J*X + E*Y), W conv kernel, c chunk size. Th
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.models.layers import rms_norm
 
-if TYPE_CHECKING:
-    from jaxspec.models.qwen35 import Qwen35Config
-
 Params = dict[str, Any]
+
+
+class DeltaNetConfig(Protocol):
+    """What a Gated DeltaNet layer reads from its trunk's config (`qwen35.Qwen35Config` has it)."""
+
+    linear_num_key_heads: int  # J
+    linear_num_value_heads: int  # E
+    linear_key_head_dim: int  # X
+    linear_value_head_dim: int  # Y
+    linear_conv_kernel: int  # W
+    norm_eps: float
+
+    @property
+    def key_dim(self) -> int: ...  # J*X
+
+    @property
+    def conv_dim(self) -> int: ...  # C = 2*J*X + E*Y
 
 CHUNK_SIZE = 64  # the chunked form's chunk (HF's and FLA's default)
 L2NORM_EPS = 1e-6  # q/k L2 normalisation inside the delta rule (FLA's constant, not rms_norm_eps)
@@ -194,7 +208,7 @@ def _l2_normalise(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
-def gated_delta_net(layer: Params, cfg: Qwen35Config, h: jax.Array, conv_window: jax.Array, state: jax.Array,
+def gated_delta_net(layer: Params, cfg: DeltaNetConfig, h: jax.Array, conv_window: jax.Array, state: jax.Array,
                     batch: int, steps: int, rule: DeltaRule) -> tuple[jax.Array, dict[str, jax.Array]]:
     """A Gated DeltaNet layer over T new tokens per row. h: [D, B*T] (normed).
 

@@ -17,54 +17,46 @@ Params pytree (float32 unless a loader says otherwise):
         q_bias [N*H]; k_bias [K*H]; v_bias [K*H]   (cfg.attention_bias)
         q_norm [H]; k_norm [H]                       (cfg.qk_norm)
         mlp_norm [D]; gate_proj [F, D]; up_proj [F, D]; down_proj [D, F]
-Q/K rows follow HF's rotate-half RoPE convention (GGUF loaders undo llama.cpp's permutation).
+Q/K rows follow HF's rotate-half RoPE convention (the GGUF tensor map undoes llama.cpp's permutation).
+
+`FAMILY`, at the end of this module, describes the layout to the loaders (jaxspec.models.family):
+shapes, logical axes, HF and GGUF tensor names, and the GGUF config parse.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig
+from jaxspec.config import (
+    HF_MODEL_TYPES,
+    Architecture,
+    ModelConfig,
+    config_from_dict,
+    config_from_hf,
+    config_to_dict,
+    resolve_rotary_dim,
+)
+from jaxspec.errors import CheckpointError, UnsupportedModelError
+from jaxspec.models.family import Family, TensorSource
 from jaxspec.models.layers import decoder_layer, logits_head, output_head, rms_norm, rope_tables
 from jaxspec.pallas.flash_decode import Attention
 
 Params = dict[str, Any]
 
-# Logical axis names per parameter (DESIGN.md contract 8): `heads` and `ffn` shard tensor-parallel.
-LAYER_AXES = {
-    "attn_norm": ("embed",),
-    "q_proj": ("heads", "embed"),
-    "k_proj": ("kv_heads", "embed"),
-    "v_proj": ("kv_heads", "embed"),
-    "o_proj": ("embed", "heads"),
-    "q_bias": ("heads",),
-    "k_bias": ("kv_heads",),
-    "v_bias": ("kv_heads",),
-    "q_norm": (None,),
-    "k_norm": (None,),
-    "mlp_norm": ("embed",),
-    "gate_proj": ("ffn", "embed"),
-    "up_proj": ("ffn", "embed"),
-    "down_proj": ("embed", "ffn"),
-}
-TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("vocab", "embed")}
-
-
-def param_axes(params: Params) -> Params:
-    """The params pytree with each array replaced by its tuple of logical axis names."""
-    axes = {name: TOP_AXES[name] for name in params if name != "layers"}
-    axes["layers"] = [{name: LAYER_AXES[name] for name in layer} for layer in params["layers"]]
-    return axes
-
-
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
     """Random params of the right shapes (tests and benchmarks of untrained shapes)."""
     D, N, K, H, F, V = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
-    keys = iter(jax.random.split(key, 8 * cfg.num_layers + 2))
+    # Draws per layer: 7 matrices, 3 biases, 2 QK-norms. At least 8 keys per layer, as ever, so
+    # a plain config keeps the params it always had (split's keys depend on their count).
+    draws_per_layer = 7 + 3 * cfg.attention_bias + 2 * cfg.qk_norm
+    keys = iter(jax.random.split(key, max(8, draws_per_layer) * cfg.num_layers + 2))
 
     def normal(*shape):
         return scale * jax.random.normal(next(keys), shape, jnp.float32)
@@ -138,3 +130,209 @@ def forward(
     hidden_out = tuple(hiddens[i].reshape(cfg.dim, batch, steps).transpose(1, 2, 0) for i in hidden_layers)
     cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values))
     return logits, hidden_out, cache
+
+
+# ----------------------------------------------------------------------------------------------
+# The family descriptor: shapes, logical axes, HF and GGUF tensor names, GGUF config
+# ----------------------------------------------------------------------------------------------
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's params, in a fixed key order (also an MTP head's block)."""
+    D, F, H = cfg.dim, cfg.ffn_dim, cfg.head_dim
+    q_rows, kv_rows = cfg.num_heads * H, cfg.num_kv_heads * H
+    shapes = {"attn_norm": (D,), "q_proj": (q_rows, D), "k_proj": (kv_rows, D), "v_proj": (kv_rows, D),
+              "o_proj": (D, q_rows)}
+    if cfg.attention_bias:
+        shapes |= {"q_bias": (q_rows,), "k_bias": (kv_rows,), "v_bias": (kv_rows,)}
+    if cfg.qk_norm:
+        shapes |= {"q_norm": (H,), "k_norm": (H,)}
+    shapes |= {"mlp_norm": (D,), "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}
+    return shapes
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The params pytree with shape tuples as leaves (what every loader must produce)."""
+    shapes: Params = {"embed": (cfg.vocab_size, cfg.dim), "layers": [layer_shapes(cfg) for _ in range(cfg.num_layers)],
+                      "final_norm": (cfg.dim,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, cfg.dim)
+    return shapes
+
+
+# Logical axis names per parameter (DESIGN.md contract 8): `heads` and `ffn` shard tensor-parallel.
+LAYER_AXES = {
+    "attn_norm": ("embed",), "q_proj": ("heads", "embed"), "k_proj": ("kv_heads", "embed"),
+    "v_proj": ("kv_heads", "embed"), "o_proj": ("embed", "heads"),
+    "q_bias": ("heads",), "k_bias": ("kv_heads",), "v_bias": ("kv_heads",),
+    "q_norm": (None,), "k_norm": (None,),  # per head dim: every head shares them
+    "mlp_norm": ("embed",), "gate_proj": ("ffn", "embed"), "up_proj": ("ffn", "embed"),
+    "down_proj": ("embed", "ffn"),
+}
+TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("vocab", "embed")}
+
+
+def param_axes(cfg: ModelConfig) -> Params:
+    """The params pytree with each leaf's tuple of logical axis names (same structure as param_shapes)."""
+    shapes = param_shapes(cfg)
+    axes = {name: TOP_AXES[name] for name in shapes if name != "layers"}
+    axes["layers"] = [{name: LAYER_AXES[name] for name in layer} for layer in shapes["layers"]]
+    return axes
+
+
+# params key -> tensor name after the trunk's prefix ("model."); lm_head is never prefixed.
+HF_NAMES = {
+    "embed": "embed_tokens.weight", "final_norm": "norm.weight", "lm_head": "lm_head.weight",
+    "attn_norm": "input_layernorm.weight", "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight", "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "mlp_norm": "post_attention_layernorm.weight", "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight", "down_proj": "mlp.down_proj.weight",
+}
+# params key -> llama.cpp's name (top level as is, layer keys under "blk.{i}.").
+GGUF_NAMES = {
+    "embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight",
+    "attn_norm": "attn_norm.weight", "q_proj": "attn_q.weight", "k_proj": "attn_k.weight",
+    "v_proj": "attn_v.weight", "o_proj": "attn_output.weight", "q_bias": "attn_q.bias", "k_bias": "attn_k.bias",
+    "v_bias": "attn_v.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "mlp_norm": "ffn_norm.weight", "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight",
+    "down_proj": "ffn_down.weight",
+}
+GGUF_ARCHITECTURES = {"llama": Architecture.LLAMA, "mistral": Architecture.MISTRAL, "qwen2": Architecture.QWEN2,
+                      "qwen3": Architecture.QWEN3}
+# llama.cpp's converter (LlamaModel.permute) interleaves Q/K rows only for these.
+PERMUTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral"})
+
+
+def hf_tensors(cfg: ModelConfig, prefix: str) -> Params:
+    """The params tree of HF tensor names under `prefix` ("model." or "" for a bare trunk)."""
+    shapes = param_shapes(cfg)
+    names = {key: TensorSource(HF_NAMES[key] if key == "lm_head" else prefix + HF_NAMES[key])
+             for key in shapes if key != "layers"}
+    names["layers"] = [{key: TensorSource(f"{prefix}layers.{index}.{HF_NAMES[key]}") for key in layer}
+                       for index, layer in enumerate(shapes["layers"])]
+    return names
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's LlamaModel.permute, restoring HF's rotate-half row order.
+
+    The converter maps rows [n, 2, H/2] -> [n, H/2, 2] (interleaved RoPE pairs); we map back.
+    Works for weights [n*H, D] and biases [n*H].
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(cfg: ModelConfig, arch: str) -> Params:
+    """The params tree of GGUF tensor names for a file of `general.architecture` `arch`."""
+    permuted = arch in PERMUTED_GGUF_ARCHITECTURES
+    heads = {"q_proj": cfg.num_heads, "q_bias": cfg.num_heads, "k_proj": cfg.num_kv_heads, "k_bias": cfg.num_kv_heads}
+
+    def source(key: str, name: str) -> TensorSource:
+        if permuted and key in heads:
+            return TensorSource(name, functools.partial(unpermute_rows, n_head=heads[key]))
+        return TensorSource(name)
+
+    shapes = param_shapes(cfg)
+    names = {key: source(key, GGUF_NAMES[key]) for key in shapes if key != "layers"}
+    names["layers"] = [{key: source(key, f"blk.{index}.{GGUF_NAMES[key]}") for key in layer}
+                       for index, layer in enumerate(shapes["layers"])]
+    return names
+
+
+def _uniform(value: Any, key: str, source: str) -> int:
+    """Per-layer GGUF arrays (e.g. head_count_kv) are supported only when all equal."""
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise UnsupportedModelError(f"{key} varies by layer in {source}: {value}")
+        value = value[0]
+    return int(value)
+
+
+def config_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]],
+                     source: str) -> ModelConfig:
+    """ModelConfig from GGUF metadata (`{arch}.*` and `tokenizer.ggml.*` keys) and tensor shapes."""
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} in {source} is not a Llama-family trunk")
+
+    def get(key: str, default: Any = None) -> Any:
+        full = f"{arch}.{key}"
+        if full in meta:
+            return meta[full]
+        if default is None:
+            raise CheckpointError(f"GGUF file {source} lacks required metadata key {full!r}")
+        return default
+
+    if "rope_freqs.weight" in tensor_shapes:
+        raise UnsupportedModelError(
+            f"{source} carries rope_freqs.weight (Llama 3.1 RoPE scaling baked into a tensor); "
+            "load the HF checkpoint instead")
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", ""):
+        raise UnsupportedModelError(f"GGUF rope scaling type {scaling_type!r} in {source} is not supported")
+    if GGUF_NAMES["embed"] not in tensor_shapes:
+        raise CheckpointError(f"GGUF file {source} lacks tensor {GGUF_NAMES['embed']!r}")
+
+    dim = int(get("embedding_length"))
+    num_heads = _uniform(get("attention.head_count"), f"{arch}.attention.head_count", source)
+    num_kv_heads = _uniform(get("attention.head_count_kv", num_heads), f"{arch}.attention.head_count_kv", source)
+    head_dim = int(get("attention.key_length", dim // num_heads))
+    value_dim = int(get("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise UnsupportedModelError(f"{source}: value_length {value_dim} != key_length {head_dim}")
+    rope_width = meta.get(f"{arch}.rope.dimension_count")
+    context = int(get("context_length", 2048))
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window:  # full attention up to the window, as config_from_hf does for Mistral
+        context = min(context, int(window))
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token = meta.get(f"tokenizer.ggml.{key}")
+        if token is not None and int(token) not in eos_ids:
+            eos_ids.append(int(token))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    architecture = GGUF_ARCHITECTURES[arch]
+    return ModelConfig(
+        architecture=architecture,
+        # The embedding's rows are the vocabulary the params serve (the token list may be shorter).
+        vocab_size=tensor_shapes[GGUF_NAMES["embed"]][0],
+        dim=dim,
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=_uniform(get("feed_forward_length"), f"{arch}.feed_forward_length", source),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rotary_dim=resolve_rotary_dim({} if rope_width is None else {"rotary_dim": rope_width}, head_dim),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=context,
+        tie_embeddings=GGUF_NAMES["lm_head"] not in tensor_shapes,
+        attention_bias=f"blk.0.{GGUF_NAMES['q_bias']}" in tensor_shapes,
+        qk_norm=architecture is Architecture.QWEN3,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos_ids),
+    )
+
+
+FAMILY = Family(
+    name="llama",
+    config_class=ModelConfig,
+    forward=forward,
+    create_cache=KVCache.create,
+    hf_model_types=tuple(HF_MODEL_TYPES),
+    config_from_hf=config_from_hf,
+    hf_prefixes=("model.", ""),
+    hf_embed=HF_NAMES["embed"],
+    hf_tensors=hf_tensors,
+    architecture=lambda cfg: cfg.architecture.value,
+    param_shapes=param_shapes,
+    param_axes=param_axes,
+    config_to_dict=config_to_dict,
+    config_from_dict=config_from_dict,
+    gguf_architectures=tuple(GGUF_ARCHITECTURES),
+    config_from_gguf=config_from_gguf,
+    gguf_tensors=gguf_tensors,
+)

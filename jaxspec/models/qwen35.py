@@ -49,7 +49,8 @@ Params pytree (float32):
         LINEAR_ATTENTION: qkv_proj [C, D]; z_proj [E*Y, D]; b_proj [E, D]; a_proj [E, D];
             conv_weight [C, W]; A_log [E]; dt_bias [E]; out_norm [Y]; out_proj [D, E*Y]
 RMSNorm weights are stored as the multiplier: HF's Qwen3.5 norms are zero-centred (x * (1 + w)),
-and the loader adds the 1 once, so the forward shares `layers.rms_norm`. The gated output norm
+and the family descriptor's HF tensor map (end of this module) adds the 1 once on load, so the
+forward shares `layers.rms_norm`. The gated output norm
 (`out_norm`) is not zero-centred in HF and is stored as is.
 """
 
@@ -59,8 +60,7 @@ import dataclasses
 import enum
 import functools
 import math
-import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -69,8 +69,9 @@ import numpy as np
 from flax import struct
 
 from jaxspec.cache import KVFormat, StateRollbackError
-from jaxspec.config import RopeScaling, resolve_rotary_dim
-from jaxspec.errors import CheckpointError, UnsupportedModelError
+from jaxspec.config import RopeScaling, _rope_settings, resolve_rotary_dim, rope_scaling_from_dict
+from jaxspec.errors import UnsupportedModelError
+from jaxspec.models.family import Family, TensorSource
 from jaxspec.models.gated_deltanet import (
     DeltaRule,
     chunk_end_state,
@@ -495,56 +496,8 @@ def forward(
 
 
 # ----------------------------------------------------------------------------------------------
-# Params: shapes, random init, logical axes
+# Params: random init (shapes, axes and checkpoint names: the family descriptor at the end)
 # ----------------------------------------------------------------------------------------------
-
-
-def layer_shapes(cfg: Qwen35Config, kind: LayerType) -> dict[str, tuple[int, ...]]:
-    D, F = cfg.dim, cfg.ffn_dim
-    if kind is LayerType.FULL_ATTENTION:
-        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        mixer = {"q_proj": (2 * N * H, D), "k_proj": (K * H, D), "v_proj": (K * H, D), "o_proj": (D, N * H),
-                 "q_norm": (H,), "k_norm": (H,)}
-    else:
-        E = cfg.linear_num_value_heads
-        mixer = {"qkv_proj": (cfg.conv_dim, D), "z_proj": (cfg.value_dim, D), "b_proj": (E, D),
-                 "a_proj": (E, D), "conv_weight": (cfg.conv_dim, cfg.linear_conv_kernel), "A_log": (E,),
-                 "dt_bias": (E,), "out_norm": (cfg.linear_value_head_dim,), "out_proj": (D, cfg.value_dim)}
-    return {"attn_norm": (D,), **mixer, "mlp_norm": (D,), "gate_proj": (F, D), "up_proj": (F, D),
-            "down_proj": (D, F)}
-
-
-def param_shapes(cfg: Qwen35Config) -> Params:
-    shapes: Params = {"embed": (cfg.vocab_size, cfg.dim),
-                      "layers": [layer_shapes(cfg, kind) for kind in cfg.layer_types],
-                      "final_norm": (cfg.dim,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head"] = (cfg.vocab_size, cfg.dim)
-    return shapes
-
-
-# Logical axis names per parameter (DESIGN.md contract 8): heads and ffn shard tensor-parallel.
-LAYER_AXES = {
-    "attn_norm": ("embed",), "mlp_norm": ("embed",),
-    "gate_proj": ("ffn", "embed"), "up_proj": ("ffn", "embed"), "down_proj": ("embed", "ffn"),
-    "q_proj": ("heads", "embed"), "k_proj": ("kv_heads", "embed"), "v_proj": ("kv_heads", "embed"),
-    "o_proj": ("embed", "heads"), "q_norm": (None,), "k_norm": (None,),
-    "qkv_proj": ("linear_channels", "embed"), "z_proj": ("linear_heads", "embed"),
-    "b_proj": ("linear_heads", "embed"), "a_proj": ("linear_heads", "embed"),
-    "conv_weight": ("linear_channels", None), "A_log": ("linear_heads",), "dt_bias": ("linear_heads",),
-    "out_norm": (None,), "out_proj": ("embed", "linear_heads"),
-}
-TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("vocab", "embed")}
-# Cache axes: the ring and state shard over batch and the DeltaNet's value heads.
-SSM_AXES = ("batch", None, "linear_heads", None, None)
-CONV_AXES = ("batch", None, None, "linear_channels")
-
-
-def param_axes(params: Params) -> Params:
-    """The params pytree with each array replaced by its tuple of logical axis names."""
-    axes = {name: TOP_AXES[name] for name in params if name != "layers"}
-    axes["layers"] = [{name: LAYER_AXES[name] for name in layer} for layer in params["layers"]]
-    return axes
 
 
 def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Params:
@@ -576,8 +529,59 @@ def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Param
 
 
 # ----------------------------------------------------------------------------------------------
-# HF config.json and checkpoint directories
+# The family descriptor: shapes, logical axes, HF config.json and tensor names
 # ----------------------------------------------------------------------------------------------
+
+def layer_shapes(cfg: Qwen35Config, kind: LayerType) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's params: the shared norms and MLP around `kind`'s mixer."""
+    D, F = cfg.dim, cfg.ffn_dim
+    if kind is LayerType.FULL_ATTENTION:
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        mixer = {"q_proj": (2 * N * H, D), "k_proj": (K * H, D), "v_proj": (K * H, D), "o_proj": (D, N * H),
+                 "q_norm": (H,), "k_norm": (H,)}
+    else:
+        E = cfg.linear_num_value_heads
+        mixer = {"qkv_proj": (cfg.conv_dim, D), "z_proj": (cfg.value_dim, D), "b_proj": (E, D),
+                 "a_proj": (E, D), "conv_weight": (cfg.conv_dim, cfg.linear_conv_kernel), "A_log": (E,),
+                 "dt_bias": (E,), "out_norm": (cfg.linear_value_head_dim,), "out_proj": (D, cfg.value_dim)}
+    return {"attn_norm": (D,), **mixer, "mlp_norm": (D,), "gate_proj": (F, D), "up_proj": (F, D),
+            "down_proj": (D, F)}
+
+
+def param_shapes(cfg: Qwen35Config) -> Params:
+    """The params pytree with shape tuples as leaves (what every loader must produce)."""
+    shapes: Params = {"embed": (cfg.vocab_size, cfg.dim),
+                      "layers": [layer_shapes(cfg, kind) for kind in cfg.layer_types],
+                      "final_norm": (cfg.dim,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, cfg.dim)
+    return shapes
+
+
+# Logical axis names per parameter (DESIGN.md contract 8): heads and ffn shard tensor-parallel.
+LAYER_AXES = {
+    "attn_norm": ("embed",), "mlp_norm": ("embed",),
+    "gate_proj": ("ffn", "embed"), "up_proj": ("ffn", "embed"), "down_proj": ("embed", "ffn"),
+    "q_proj": ("heads", "embed"), "k_proj": ("kv_heads", "embed"), "v_proj": ("kv_heads", "embed"),
+    "o_proj": ("embed", "heads"), "q_norm": (None,), "k_norm": (None,),
+    "qkv_proj": ("linear_channels", "embed"), "z_proj": ("linear_heads", "embed"),
+    "b_proj": ("linear_heads", "embed"), "a_proj": ("linear_heads", "embed"),
+    "conv_weight": ("linear_channels", None), "A_log": ("linear_heads",), "dt_bias": ("linear_heads",),
+    "out_norm": (None,), "out_proj": ("embed", "linear_heads"),
+}
+TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("vocab", "embed")}
+# Cache axes: the ring and state shard over batch and the DeltaNet's value heads.
+SSM_AXES = ("batch", None, "linear_heads", None, None)
+CONV_AXES = ("batch", None, None, "linear_channels")
+
+
+def param_axes(cfg: Qwen35Config) -> Params:
+    """The params pytree with each leaf's tuple of logical axis names (same structure as param_shapes)."""
+    shapes = param_shapes(cfg)
+    axes = {name: TOP_AXES[name] for name in shapes if name != "layers"}
+    axes["layers"] = [{name: LAYER_AXES[name] for name in layer} for layer in shapes["layers"]]
+    return axes
+
 
 HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
@@ -603,11 +607,13 @@ _HF_MIXER = {
 _HF_PREFIXES = ("model.language_model.", "model.", "")
 # Options HF's qwen3_5 accepts that this trunk does not implement, and the value it needs.
 _UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "num_experts": None}
+DEFAULT_ROPE_THETA = 10_000_000.0  # HF's Qwen3.5 default, when config.json names none
 
 
 def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8, recorded_steps: int = 16) -> Qwen35Config:
     """Parse a `qwen3_5` or `qwen3_5_text` config.json. Errors name the offending field.
 
+    RoPE theta and scaling are read by `config._rope_settings`, as for every Llama-family trunk.
     rollback_states and recorded_steps are jaxspec's own (not in config.json): see Qwen35Config."""
     model_type = hf.get("model_type")
     if model_type not in HF_MODEL_TYPES:
@@ -638,16 +644,18 @@ def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8, recorded_
             except ValueError:
                 raise UnsupportedModelError(
                     f"layer_types[{index}]={name!r} is not supported (only {[t.value for t in LayerType]})") from None
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise UnsupportedModelError(f"rope_parameters.rope_type={rope_type!r} is not supported (only 'default')")
-        theta = float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)))
+        rope_fields = dict(text)
+        if rope_fields.get("rope_theta") is None:
+            rope_fields["rope_theta"] = DEFAULT_ROPE_THETA
+        rope = text.get("rope_parameters") or {}
         dim, num_heads = int(text["hidden_size"]), int(text["num_attention_heads"])
         head_dim = int(text.get("head_dim") or dim // num_heads)
-        rope_fields = dict(text)
         if "rotary_dim" not in text and "partial_rotary_factor" not in text and "partial_rotary_factor" not in rope:
-            rope_fields["partial_rotary_factor"] = 0.25  # HF's default for Qwen3.5
+            rope_fields["partial_rotary_factor"] = 0.25  # HF's default for Qwen3.5 (before the parse: longrope checks it)
+        try:
+            theta, scaling = _rope_settings(rope_fields)
+        except UnsupportedModelError as err:
+            raise UnsupportedModelError(f"rope_parameters (rope_type): {err}") from None
         tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         eos = text.get("eos_token_id", hf.get("eos_token_id"))
         return Qwen35Config(
@@ -661,13 +669,16 @@ def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8, recorded_
             head_dim=head_dim,
             rotary_dim=resolve_rotary_dim(rope_fields, head_dim),
             rope_theta=theta,
+            rope_scaling=scaling,
             linear_num_key_heads=int(text["linear_num_key_heads"]),
             linear_num_value_heads=int(text["linear_num_value_heads"]),
             linear_key_head_dim=int(text["linear_key_head_dim"]),
             linear_value_head_dim=int(text["linear_value_head_dim"]),
             linear_conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
             norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+            # longrope is exact only up to its original context (config.RopeScaling.context_limit)
+            max_position_embeddings=min(int(text.get("max_position_embeddings", 2048)),
+                                        (scaling.context_limit if scaling is not None else None) or 1 << 62),
             tie_embeddings=bool(tie),
             bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=() if eos is None else ((int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)),
@@ -678,61 +689,64 @@ def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8, recorded_
         raise UnsupportedModelError(f"config.json lacks required field {missing}") from None
 
 
-def is_hf_dir(directory: pathlib.Path) -> bool:
-    """Whether `directory` is an HF checkpoint of a Qwen3.5 hybrid (by config.json's model_type)."""
-    import json
-
-    try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") in HF_MODEL_TYPES
+def _add_one(stored: np.ndarray) -> np.ndarray:
+    return stored + 1.0  # zero-centred norm -> multiplier
 
 
-def params_from_hf(cfg: Qwen35Config, read: Callable[[str], np.ndarray], names: frozenset[str] | set[str],
-                   *, source: str = "checkpoint") -> Params:
-    """Assemble float32 numpy params from HF tensors: `read(name)`, `names` what exists.
+def _conv_kernel(stored: np.ndarray) -> np.ndarray:
+    return stored[:, 0] if stored.ndim == 3 else stored  # HF Conv1d [C, 1, W] -> [C, W]
 
-    Raises CheckpointError naming a missing or misshapen tensor (and the layer kind that needs it).
-    """
-    prefix = next((p for p in _HF_PREFIXES if f"{p}{_HF_TOP['embed']}" in names), None)
-    if prefix is None:
-        raise CheckpointError(f"{source} lacks tensor 'model.language_model.embed_tokens.weight' (or 'model.embed_tokens.weight')")
 
-    def take(name: str, key: str, expected: tuple[int, ...], why: str) -> np.ndarray:
-        if name not in names:
-            raise CheckpointError(f"{source} lacks tensor {name!r}{why}")
-        array = np.asarray(read(name), np.float32)
-        if key == "conv_weight" and array.ndim == 3:  # HF Conv1d [C, 1, W]
-            array = array[:, 0]
-        if tuple(array.shape) != expected:
-            raise CheckpointError(f"tensor {name!r} in {source} has shape {tuple(array.shape)}, "
-                                  f"expected {expected} from the config")
-        return np.ascontiguousarray(array + 1.0 if key in _ZERO_CENTRED else array)
+def _hf_source(key: str, name: str, note: str = "") -> TensorSource:
+    transform = _add_one if key in _ZERO_CENTRED else _conv_kernel if key == "conv_weight" else None
+    return TensorSource(name, transform, note)
 
-    shapes = param_shapes(cfg)
-    params: Params = {key: take(prefix + hf_name, key, shapes[key], "") for key, hf_name in _HF_TOP.items()}
-    params["layers"] = []
-    for index, kind in enumerate(cfg.layer_types):
-        why = f" (layer {index} is {kind.value} per config layer_types)"
-        layer_names = {**_HF_COMMON, **_HF_MIXER[kind]}
-        params["layers"].append({key: take(f"{prefix}layers.{index}.{layer_names[key]}", key, shape, why)
-                                 for key, shape in shapes["layers"][index].items()})
+
+def hf_tensors(cfg: Qwen35Config, prefix: str) -> Params:
+    """The params tree of HF tensor names under `prefix` (one of _HF_PREFIXES), with transforms."""
+    names: Params = {key: _hf_source(key, prefix + name) for key, name in _HF_TOP.items()}
+    names["layers"] = [{key: _hf_source(key, f"{prefix}layers.{index}.{name}",
+                                        f" (layer {index} is {kind.value} per config layer_types)")
+                        for key, name in {**_HF_COMMON, **_HF_MIXER[kind]}.items()}
+                       for index, kind in enumerate(cfg.layer_types)]
     if not cfg.tie_embeddings:
-        params["lm_head"] = take("lm_head.weight", "lm_head", shapes["lm_head"], " (tie_word_embeddings is false)")
-    return params
+        names["lm_head"] = TensorSource("lm_head.weight", note=" (tie_word_embeddings is false)")
+    return names
 
 
-def load_hf_dir(directory: pathlib.Path, *, progress: bool = False) -> tuple[Qwen35Config, Params]:
-    """A Qwen3.5 HF directory (safetensors, any float dtype) -> (config, float32 numpy params)."""
-    import contextlib
+def config_to_dict(cfg: Qwen35Config) -> dict[str, Any]:
+    """JSON-able form of a Qwen35Config (enums by value, tuples as lists)."""
+    out = dataclasses.asdict(cfg)
+    out["layer_types"] = [kind.value for kind in cfg.layer_types]
+    out["eos_token_ids"] = list(cfg.eos_token_ids)
+    return out
 
-    from jaxspec import checkpoints
 
-    directory = pathlib.Path(directory)
-    cfg = config_from_hf(checkpoints._read_json(directory / "config.json"))
-    files = checkpoints.hf_weight_files(directory)
-    with contextlib.ExitStack() as stack:
-        reader = checkpoints._SafetensorsReader(files, stack)
-        params = params_from_hf(cfg, reader.read, frozenset(files), source=f"HF checkpoint {directory}")
-    return cfg, params
+def config_from_dict(data: Mapping[str, Any]) -> Qwen35Config:
+    """Inverse of config_to_dict."""
+    fields = dict(data)
+    unknown = set(fields) - {field.name for field in dataclasses.fields(Qwen35Config)}
+    if unknown:
+        raise UnsupportedModelError(f"config fields {sorted(unknown)} are not Qwen35Config's (a newer jaxspec?)")
+    fields["layer_types"] = tuple(LayerType(kind) for kind in fields["layer_types"])
+    fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+    fields["rope_scaling"] = rope_scaling_from_dict(fields.get("rope_scaling"))
+    return Qwen35Config(**fields)
+
+
+FAMILY = Family(
+    name="qwen3_5",
+    config_class=Qwen35Config,
+    forward=forward,
+    create_cache=Qwen35Cache.create,
+    hf_model_types=HF_MODEL_TYPES,
+    config_from_hf=config_from_hf,
+    hf_prefixes=_HF_PREFIXES,
+    hf_embed=_HF_TOP["embed"],
+    hf_tensors=hf_tensors,
+    architecture=lambda cfg: "qwen3_5",
+    param_shapes=param_shapes,
+    param_axes=param_axes,
+    config_to_dict=config_to_dict,
+    config_from_dict=config_from_dict,
+)

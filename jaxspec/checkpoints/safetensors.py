@@ -1,0 +1,152 @@
+"""HF checkpoint directories: config.json, safetensors weight files (single or sharded), params.
+
+Tensors are read by name across shards to float32 (bf16 and fp8 through ml_dtypes, which
+safetensors' numpy path cannot name). The directory's `model_type` picks the family
+(jaxspec.models.family_for_hf) and the family's `hf_tensors` names every param. Nothing here
+unpickles: a directory holding only `pytorch_model*.bin` is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import pathlib
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxspec import models
+from jaxspec.checkpoints.assemble import Params, assemble_params
+from jaxspec.checkpoints.resolve import HF_CONFIG
+from jaxspec.errors import CheckpointError
+from jaxspec.models.family import Family
+
+# safetensors dtypes numpy cannot name; read from the raw bytes with ml_dtypes.
+_RAW_DTYPES = {
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U8")
+
+
+def read_json(path: pathlib.Path) -> Any:
+    """A JSON file's value; CheckpointError naming the file when it is absent or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.parent} lacks {path.name}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+
+
+def hf_weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+    """tensor name -> safetensors file, from the shard index or the single model.safetensors."""
+    index = directory / "model.safetensors.index.json"
+    single = directory / "model.safetensors"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        files = {name: directory / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise CheckpointError(f"shard {shard.name} listed in {index} is missing")
+        return files
+    if single.is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(single, framework="numpy") as handle:
+                return {name: single for name in handle.keys()}
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise CheckpointError(f"{single} is not a readable safetensors file: {err}") from None
+    if any(directory.glob("pytorch_model*.bin")):
+        raise CheckpointError(
+            f"{directory} holds only pytorch_model*.bin; jaxspec never unpickles weights, safetensors is "
+            "required (re-save with save_pretrained(..., safe_serialization=True))"
+        )
+    raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+
+
+@functools.cache
+def _header(path: pathlib.Path, mtime_ns: int) -> tuple[dict[str, Any], int]:
+    """(header, data start) of a safetensors file, for dtypes safe_open's numpy path lacks."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return json.loads(handle.read(length)), 8 + length
+
+
+class SafetensorsReader:
+    """Reads tensors by name across shards, holding each shard open once until `stack` closes."""
+
+    def __init__(self, files: Mapping[str, pathlib.Path], stack: contextlib.ExitStack):
+        self.files = files  # tensor name -> shard
+        self._stack = stack
+        self._handles: dict[pathlib.Path, Any] = {}
+
+    def _handle(self, path: pathlib.Path) -> Any:
+        if path not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[path] = self._stack.enter_context(safe_open(path, framework="numpy"))
+        return self._handles[path]
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype's safetensors name ("F32", "BF16", "I64", ...)."""
+        return self._handle(self.files[name]).get_slice(name).get_dtype()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        """A float tensor as float32 (bf16 and fp8 decoded from the raw bytes)."""
+        path = self.files[name]
+        dtype = self.dtype(name)
+        if dtype not in _RAW_DTYPES:
+            return self._handle(path).get_tensor(name).astype(np.float32, copy=False)
+        header, data_start = _header(path, path.stat().st_mtime_ns)
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
+        return raw.view(_RAW_DTYPES[dtype]).reshape(entry["shape"]).astype(np.float32)
+
+    def read_integer(self, name: str) -> np.ndarray:
+        """An integer tensor as int64; CheckpointError when it is stored as anything else."""
+        if self.dtype(name) not in INTEGER_DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {self.dtype(name)}; expected an integer type")
+        return np.asarray(self._handle(self.files[name]).get_tensor(name)).astype(np.int64)
+
+
+def hf_family(directory: pathlib.Path) -> tuple[Family, Any]:
+    """(family, config) of an HF directory, from its config.json's `model_type`."""
+    hf = read_json(directory / HF_CONFIG)
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{directory / HF_CONFIG} is not a JSON object")
+    family = models.family_for_hf(hf)
+    return family, family.config_from_hf(hf)
+
+
+def hf_prefix(family: Family, names: Mapping[str, Any], directory: pathlib.Path) -> str:
+    """The prefix under which a directory stores the trunk ("model." for *ForCausalLM saves)."""
+    prefix = family.hf_prefix(names)
+    if prefix is None:
+        candidates = [f"{p}{family.hf_embed}" for p in family.hf_prefixes]
+        raise CheckpointError(f"{directory} lacks the embedding: none of {candidates}")
+    return prefix
+
+
+def load_hf_dir(directory: pathlib.Path, *, progress: bool = False) -> tuple[Any, Params]:
+    """An HF directory of any registered family -> (config, float32 numpy params)."""
+    family, cfg = hf_family(directory)
+    files = hf_weight_files(directory)
+    tensors = family.hf_tensors(cfg, hf_prefix(family, files, directory))
+    with contextlib.ExitStack() as stack:
+        reader = SafetensorsReader(files, stack)
+        params = assemble_params(family.param_shapes(cfg), tensors, reader.read, available=files,
+                                 source="HF checkpoint", path=directory, progress=progress)
+    return cfg, params

@@ -1,0 +1,254 @@
+"""jaxspec's own storage: the orbax float32 weight cache and converted directories.
+
+GGUF params cost seconds to dequantize, so `load_gguf` caches them with orbax under
+`cache_dir()` (~/.cache/jaxspec), keyed by the file's sha256: a second load restores instead.
+HF safetensors are not cached: they are already float, read about as fast as an orbax restore,
+and a float32 copy would double (for bf16: triple) their disk footprint.
+
+A converted directory (`jaxspec convert`) is self-contained: `jaxspec.json` (format version,
+family, config, source), `params/` (orbax), and the tokenizer (the HF tokenizer files, or
+`gguf_tokenizer.json` holding a GGUF's `tokenizer.*` metadata). Cache entries and converted
+directories are written to a temp sibling and renamed, so neither is ever half there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxspec import models
+from jaxspec.checkpoints import gguf as gguf_reader
+from jaxspec.checkpoints.assemble import Checkpoint, Params, to_jax
+from jaxspec.checkpoints.resolve import JAXSPEC_META
+from jaxspec.checkpoints.safetensors import read_json
+from jaxspec.errors import CheckpointError
+from jaxspec.models.family import Family, is_shape
+
+logger = logging.getLogger(__name__)
+
+GGUF_TOKENIZER_FILE = "gguf_tokenizer.json"
+PARAMS_DIR = "params"
+FORMAT_VERSION = 1  # version-1 directories written before families existed hold a "llama" config
+# Bump when GGUF -> params conversion changes, so stale cache entries are never reused.
+CACHE_VERSION = 1
+# Tokenizer material an HF directory may carry; a converted directory copies whichever exist.
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def cache_dir() -> pathlib.Path:
+    """Where converted params are cached: $JAXSPEC_CACHE_DIR, else ~/.cache/jaxspec."""
+    env = os.environ.get("JAXSPEC_CACHE_DIR")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "jaxspec"
+
+
+def file_sha256(path: pathlib.Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def gguf_cache_entry(gguf_path: pathlib.Path, digest: str | None = None) -> pathlib.Path:
+    """The cache directory holding a GGUF file's float32 params (whether or not it exists yet)."""
+    return cache_dir() / "params" / f"{digest or file_sha256(gguf_path)}-v{CACHE_VERSION}"
+
+
+def _checkpointer() -> Any:
+    """An orbax PyTree checkpointer that stores arrays uncompressed.
+
+    Dequantized weights do compress (318 vs 514 MB for the default model), but decompressing
+    them doubles the cached load time, and the cache exists for load time.
+    """
+    # Imported here: orbax adds ~0.5 s to `import jaxspec`; only orbax readers/writers need it.
+    import orbax.checkpoint as ocp
+
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+
+
+def save_params(params: Params, path: pathlib.Path) -> None:
+    """Write params with orbax to a fresh `path` (orbax refuses an existing one)."""
+    import orbax.checkpoint as ocp
+
+    with _checkpointer() as checkpointer:
+        checkpointer.save(path.absolute(), args=ocp.args.PyTreeSave(params))
+
+
+def restore_params(path: pathlib.Path, family: Family, cfg: Any) -> Params:
+    """Read params written by save_params, as float32 jax arrays shaped by the family's `cfg`.
+
+    The target tree comes from the config, so an entry of the wrong structure or shapes fails
+    here (and a cache entry is rebuilt) instead of reaching a model.
+    """
+    import orbax.checkpoint as ocp
+
+    shapes = family.param_shapes(cfg)
+    target = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, np.float32), shapes, is_leaf=is_shape)
+    # Restore to host numpy, then hand the buffers to jax without a copy (see to_jax).
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes, is_leaf=is_shape)
+    with _checkpointer() as checkpointer:
+        restored = checkpointer.restore(
+            path.absolute(), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+    for got, shape in zip(jax.tree.leaves(restored), jax.tree.leaves(shapes, is_leaf=is_shape), strict=True):
+        if got.shape != shape or got.dtype != np.float32:
+            raise CheckpointError(f"{path} holds a {got.dtype}{list(got.shape)} array where {shape} float32 belongs")
+    return to_jax(restored)
+
+
+def write_atomically(final: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
+    """Run `write(tmp)` on a sibling temp dir, then rename it to `final` in one step.
+
+    A crash leaves only a `.tmp-*` sibling, never a half-written `final`; if another process
+    wins the race to `final`, its (identical) result is kept.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:12]}"
+    try:
+        write(tmp)
+        _fsync_tree(tmp)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not final.exists():
+                raise
+        _fsync(final.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: pathlib.Path) -> None:
+    """Flush every file and directory under `root` before the rename publishes it.
+
+    Without this a crash can leave a renamed entry with empty files (ext4 delays allocation);
+    it also keeps writeback of the fresh entry from stalling the next load's reads (~3 s).
+    """
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        _fsync(path)
+    _fsync(root)
+
+
+def _sweep_stale_tmp(root: pathlib.Path, max_age_s: float = 3600.0) -> None:
+    """Remove temp dirs that crashed writers left behind (older than an hour: not in flight)."""
+    now = time.time()
+    for stale in root.glob(".tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - stale.stat().st_mtime > max_age_s:
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = False) -> Checkpoint:
+    """A GGUF file, its params restored from the cache when an entry exists, else dequantized
+    (and cached, unless `use_cache=False`). A damaged entry is rebuilt; an unwritable cache
+    only logs a warning."""
+    entry = None
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        # hashlib releases the GIL: hash the file while this thread parses the header and
+        # imports orbax (~0.3 s of a ~1 s cached load).
+        digest = pool.submit(file_sha256, path) if use_cache else None
+        gf = gguf_reader.read_gguf(path)
+        family = gguf_reader.gguf_family(gf)
+        cfg = gguf_reader.config_from_gguf(gf)
+        if digest is not None:
+            import orbax.checkpoint  # noqa: F401
+
+            entry = gguf_cache_entry(path, digest.result())
+    params = None
+    if entry is not None and entry.is_dir():
+        try:
+            params = restore_params(entry, family, cfg)
+        except Exception as err:  # any damage means rebuild; the source of truth is the GGUF
+            logger.warning("ignoring corrupt cache entry %s (%s); rebuilding", entry, err)
+            shutil.rmtree(entry, ignore_errors=True)
+    if params is None:
+        host_params = gguf_reader.params_from_gguf(gf, cfg, progress=progress)
+        if entry is not None:
+            try:
+                _sweep_stale_tmp(entry.parent)
+                write_atomically(entry, functools.partial(save_params, host_params))
+            except Exception as err:  # a read-only or full cache must not stop the load
+                logger.warning("could not write cache entry %s: %s", entry, err)
+        params = to_jax(host_params)
+    return Checkpoint(config=cfg, params=params, tokenizer_source=gguf_reader.gguf_tokenizer_metadata(gf),
+                      source=path)
+
+
+def converted_family(directory: pathlib.Path) -> tuple[Family, Any]:
+    """(family, config) of a converted directory, its format version checked."""
+    meta = read_json(directory / JAXSPEC_META)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{directory / JAXSPEC_META} has format_version {meta.get('format_version')!r}; this jaxspec "
+            f"reads {FORMAT_VERSION}")
+    family = models.family_named(meta.get("family", "llama"))
+    try:
+        return family, family.config_from_dict(meta["config"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{directory / JAXSPEC_META} holds no valid {family.name} config: {err!r}") from None
+
+
+def load_converted(directory: pathlib.Path) -> Checkpoint:
+    """A directory written by `save_converted`."""
+    family, cfg = converted_family(directory)
+    try:
+        params = restore_params(directory / PARAMS_DIR, family, cfg)
+    except Exception as err:
+        raise CheckpointError(f"cannot restore params from {directory / PARAMS_DIR}: {err}") from None
+    gguf_tokenizer = directory / GGUF_TOKENIZER_FILE
+    tokenizer_source: pathlib.Path | dict[str, Any]
+    tokenizer_source = read_json(gguf_tokenizer) if gguf_tokenizer.is_file() else directory
+    return Checkpoint(config=cfg, params=params, tokenizer_source=tokenizer_source, source=directory)
+
+
+def save_converted(checkpoint: Checkpoint, out: pathlib.Path) -> None:
+    """Write `checkpoint` as a converted directory at `out` (which must not exist), atomically."""
+    family = models.family_of(checkpoint.config)
+
+    def write(tmp: pathlib.Path) -> None:
+        tmp.mkdir(parents=True)
+        save_params(jax.device_get(checkpoint.params), tmp / PARAMS_DIR)
+        tokenizer = checkpoint.tokenizer_source
+        if isinstance(tokenizer, dict):
+            (tmp / GGUF_TOKENIZER_FILE).write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+        else:
+            for file_name in HF_TOKENIZER_FILES:
+                if (tokenizer / file_name).is_file():
+                    shutil.copy2(tokenizer / file_name, tmp / file_name)
+        meta = {
+            "format": "jaxspec",
+            "format_version": FORMAT_VERSION,
+            "family": family.name,
+            "config": family.config_to_dict(checkpoint.config),
+            "source": str(checkpoint.source),
+        }
+        (tmp / JAXSPEC_META).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+
+    write_atomically(out, write)

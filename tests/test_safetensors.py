@@ -1,0 +1,94 @@
+"""HF directories (jaxspec.checkpoints.safetensors): weights, shards, dtypes, and what is refused.
+
+Ground truth is the torch state dict of a tiny random model of each variant (ckpt_fixtures).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import ckpt_fixtures as fx
+from ckpt_fixtures import hf_dirs, isolated_cache  # noqa: F401 (fixtures)
+from jaxspec import checkpoints
+from jaxspec.config import config_from_hf
+from jaxspec.errors import CheckpointError, UnsupportedModelError
+
+
+@pytest.mark.parametrize("variant", list(fx.HF_VARIANTS))
+def test_hf_dir_matches_torch_state_dict(hf_dirs, variant):
+    directory, state_dict = hf_dirs[variant]
+    tie = fx.HF_VARIANTS[variant]["tie"]
+    ckpt = checkpoints.load_checkpoint(directory)
+    assert ckpt.config == config_from_hf(fx.hf_config(directory))
+    assert ckpt.config.tie_embeddings is tie
+    fx.assert_params_equal(ckpt.params, fx.expected_params(state_dict, ckpt.config.num_layers, tie=tie))
+    assert ckpt.tokenizer_source == directory
+    assert ckpt.source == directory
+
+
+def test_hf_variants_exercise_what_they_claim(hf_dirs):
+    """Guard the fixtures: bias, QK-norm, bf16 storage and sharding really are there."""
+    qwen2 = checkpoints.load_checkpoint(hf_dirs["qwen2-bias"][0])
+    assert qwen2.config.attention_bias and "q_bias" in qwen2.params["layers"][0]
+    qwen3 = checkpoints.load_checkpoint(hf_dirs["qwen3-qknorm-tied"][0])
+    assert qwen3.config.qk_norm and qwen3.params["layers"][0]["q_norm"].shape == (32,)
+    assert qwen3.config.head_dim == 32 != qwen3.config.dim // qwen3.config.num_heads
+    assert checkpoints.info(hf_dirs["llama-bf16"][0])["tensor_types"] == {"BF16": 21}
+    sharded = hf_dirs["llama-sharded"][0]
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
+
+
+def test_hf_missing_tensor(hf_dirs, tmp_path):
+    directory = fx.copy_dir(hf_dirs["llama-untied"][0], tmp_path / "hf")
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.v_proj\.weight"):
+        checkpoints.load_checkpoint(directory)
+
+
+def test_hf_shape_mismatch(hf_dirs, tmp_path):
+    directory = fx.copy_dir(hf_dirs["llama-untied"][0], tmp_path / "hf")
+    config = fx.hf_config(directory)
+    config["intermediate_size"] = 96
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"gate_proj\.weight.*\(128, 64\).*\(96, 64\)"):
+        checkpoints.load_checkpoint(directory)
+
+
+def test_hf_missing_config(hf_dirs, tmp_path):
+    directory = fx.copy_dir(hf_dirs["llama-untied"][0], tmp_path / "hf")
+    (directory / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json") as err:
+        checkpoints.load_checkpoint(directory)
+    assert str(directory) in str(err.value)
+
+
+def test_hf_unsupported_model_type(hf_dirs, tmp_path):
+    directory = fx.copy_dir(hf_dirs["llama-untied"][0], tmp_path / "hf")
+    config = fx.hf_config(directory)
+    config["model_type"] = "gpt_neox"
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="gpt_neox"):
+        checkpoints.load_checkpoint(directory)
+
+
+def test_hf_pickle_only_is_refused(hf_dirs, tmp_path):
+    directory = fx.copy_dir(hf_dirs["llama-untied"][0], tmp_path / "hf")
+    (directory / "model.safetensors").unlink()
+    (directory / "pytorch_model.bin").write_bytes(b"not unpickled")
+    with pytest.raises(CheckpointError, match="safetensors is required"):
+        checkpoints.load_checkpoint(directory)
+
+
+def test_hf_missing_shard(hf_dirs, tmp_path):
+    directory = fx.copy_dir(hf_dirs["llama-sharded"][0], tmp_path / "hf")
+    shard = sorted(directory.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=shard.name):
+        checkpoints.load_checkpoint(directory)
+
