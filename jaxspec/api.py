@@ -36,6 +36,7 @@ DEFAULT_MODEL = "smollm2-135m"
 # program; decode attention reads every slot, so the buckets stay powers of two, not one size).
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKENS_BUCKET = 128
+MIN_STOP_IDS_BUCKET = 8  # stop token ids (EOS included) travel as a padded array
 
 
 def load(name_or_path: str = DEFAULT_MODEL, *, use_cache: bool = True, progress: bool = False) -> Model:
@@ -238,6 +239,8 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     stop_token_ids, stop_sequences = _stop_ids_and_sequences(model, options)
 
     batch = len(rows)
+    stop_ids = np.full((_bucket(len(stop_token_ids), MIN_STOP_IDS_BUCKET),), -1, np.int32)  # -1 never matches
+    stop_ids[: len(stop_token_ids)] = stop_token_ids
     prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
     # Decode attention reads all S slots every step, so S is the prompt bucket plus a bucket of
     # the new tokens plus k, not a power of two of the sum (1024 + 132 would become 2048).
@@ -251,12 +254,12 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
         max_new_tokens=jnp.full((batch,), max_new_tokens, jnp.int32),
         sampling=SamplingParams.create(batch, **options.sampling_values),
         key=jax.random.PRNGKey(options.seed),
+        stop_token_ids=jnp.asarray(stop_ids),
     )
     spec = loop.LoopSpec(
         cfg=cfg,
         capacity=capacity,
         sampler=sampler,
-        stop_token_ids=stop_token_ids,
         stop_sequences=stop_sequences,
         proposer=speculation.proposer,
         kv_format=options.kv_format,

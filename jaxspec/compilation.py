@@ -12,7 +12,7 @@ stores a program only when it took at least `jax_persistent_cache_min_compile_ti
 1 s) to compile: the real models' programs, not the unit tests' tiny ones.
 
 Measurement: `CompileWatch` sums the compile-time events JAX reports through `jax.monitoring`
-while a call runs (tracing, lowering, the XLA compile, or loading it from the disk cache), so
+while a call runs (tracing, lowering, and the XLA compile or its load from the disk cache), so
 stats can report compile seconds apart from run time without a cache of our own. When the first
 such event arrives it prints a one-line `compiling ...` notice on stderr, which
 `set_compile_notices(False)` (the CLI's --quiet) turns off.
@@ -33,14 +33,13 @@ from jaxspec import checkpoints
 XLA_CACHE_ENV = "JAXSPEC_XLA_CACHE_DIR"
 XLA_CACHE_OFF = "off"
 
-# jax.monitoring duration events that together make up a compile (jax/_src/dispatch.py and
-# compiler.py): tracing to a jaxpr, lowering to MLIR, the backend compile, and, on a persistent
-# cache hit, reading the executable back instead.
+# jax.monitoring duration events that together make up a compile (jax/_src/dispatch.py):
+# tracing to a jaxpr, lowering to MLIR, and the backend compile, which on a persistent cache hit
+# is the time to read the executable back (that read is inside it, so it is not counted apart).
 COMPILE_EVENTS = frozenset({
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
-    "/jax/compilation_cache/cache_retrieval_time_sec",
 })
 
 _state = threading.local()

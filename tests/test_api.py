@@ -31,12 +31,20 @@ def test_stream_yields_the_same_tokens(tiny_model):
     assert stream.result.stats.target_forwards == 9
 
 
-def test_prompt_lengths_in_one_bucket_and_nearby_max_new_tokens_do_not_recompile(tiny_model):
+def test_what_does_not_recompile(tiny_model):
+    """Within a prompt bucket and a max_new_tokens bucket, new stop tokens, EOS on or off and,
+    when sampling, min_p on or off reuse the programs already compiled."""
     first = jaxspec.generate(tiny_model, None, [1, 2, 3], max_new_tokens=64)
     assert first.stats.compile_seconds >= 0.0
-    for prompt, max_new_tokens in (([4, 5, 6, 7, 8, 9], 64), ([1, 2, 3], 65), ([7] * 16, 1)):
-        again = jaxspec.generate(tiny_model, None, prompt, max_new_tokens=max_new_tokens)
-        assert again.stats.compile_seconds == 0.0, (len(prompt), max_new_tokens)
+    for prompt, options in (([4, 5, 6, 7, 8, 9], dict(max_new_tokens=64)),
+                            ([1, 2, 3], dict(max_new_tokens=65)),
+                            ([7] * 16, dict(max_new_tokens=1)),
+                            ([1, 2, 3], dict(max_new_tokens=64, stop_token_ids=[9, 10], ignore_eos=True))):
+        again = jaxspec.generate(tiny_model, None, prompt, **options)
+        assert again.stats.compile_seconds == 0.0, (len(prompt), options)
+    jaxspec.generate(tiny_model, None, [1, 2, 3], max_new_tokens=8, temperature=0.8)
+    with_min_p = jaxspec.generate(tiny_model, None, [1, 2, 3], max_new_tokens=8, temperature=0.8, min_p=0.1)
+    assert with_min_p.stats.compile_seconds == 0.0
 
 
 def test_a_new_shape_prints_one_compiling_line_unless_silenced(tiny_model, capsys):

@@ -42,7 +42,6 @@ class LoopSpec:
     cfg: ModelConfig
     capacity: int  # S: cache slots and token-history length per row
     sampler: SamplerSpec
-    stop_token_ids: tuple[int, ...] = ()  # EOS and user stop tokens
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stops, matched on device
     proposer: Proposer | None = None  # None: plain decoding
     kv_format: KVFormat | None = None  # the target's K/V storage; None: the trunk's default (float32)
@@ -74,6 +73,9 @@ class Request:
     max_new_tokens: jax.Array  # int32[B]
     sampling: SamplingParams
     key: jax.Array  # PRNG key
+    # int32[N]: EOS and the user's stop tokens, padded with -1 to a bucketed N (an array, so a new
+    # stop set or ignore_eos does not recompile); None: no stop tokens.
+    stop_token_ids: jax.Array | None = None
 
 
 @struct.dataclass
@@ -121,15 +123,17 @@ class DecodeState:
         return jnp.take_along_axis(self.tokens, last[:, None], axis=1)[:, 0]
 
 
-def _stop_hits(tokens: jax.Array, ends: jax.Array, first_generated: jax.Array, spec: LoopSpec) -> jax.Array:
+def _stop_hits(tokens: jax.Array, ends: jax.Array, first_generated: jax.Array, request: Request,
+               spec: LoopSpec) -> jax.Array:
     """Whether a stop token or a stop sequence ends at each position `ends` int32[B, T].
 
     Sequences match generated tokens only (from `first_generated` int32[B] on). -> bool[B, T]
     """
     size = tokens.shape[1]
-    last = jnp.take_along_axis(tokens, jnp.clip(ends, 0, size - 1), axis=1)
-    hit = jnp.isin(last, jnp.asarray(spec.stop_token_ids, jnp.int32)) if spec.stop_token_ids else (
-        jnp.zeros(ends.shape, bool))
+    last = jnp.take_along_axis(tokens, jnp.clip(ends, 0, size - 1), axis=1)  # [B, T]
+    hit = jnp.zeros(ends.shape, bool)
+    if request.stop_token_ids is not None:
+        hit = jnp.any(last[..., None] == request.stop_token_ids, axis=-1)  # [B, T, N] -> [B, T]
     for sequence in spec.stop_sequences:
         match = ends - (len(sequence) - 1) >= first_generated[:, None]
         for back, token in enumerate(reversed(sequence)):
@@ -157,7 +161,7 @@ def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
     rows = jnp.arange(batch)[:, None]
     tokens = state.tokens.at[rows, jnp.where(valid, at, size)].set(new_tokens, mode="drop")
 
-    stop_hit = _stop_hits(tokens, at, state.prompt_length, spec) & valid
+    stop_hit = _stop_hits(tokens, at, state.prompt_length, request, spec) & valid
     length_hit = (generated_index + 1 >= request.max_new_tokens[:, None]) & valid
     ends = stop_hit | length_hit
     first_end = jnp.argmax(ends, axis=1)  # earliest ending position among the new ones
