@@ -160,7 +160,6 @@ def _as_batch(prompt, model: Model, chat: bool) -> list[list[int]]:
     return rows
 
 
-
 def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 

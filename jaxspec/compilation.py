@@ -27,6 +27,7 @@ import threading
 
 import jax
 from jax import monitoring
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
 from jaxspec import checkpoints
 
@@ -74,6 +75,9 @@ def enable_persistent_cache() -> pathlib.Path | None:
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
             jax.config.update("jax_compilation_cache_dir", str(directory))
+            # JAX decides once per process, at its first compile, whether the cache is on; an
+            # earlier compile (a model's random init, say) would have decided "off".
+            jax_compilation_cache.reset_cache()
     _persistent_cache["dir"] = directory
     return directory
 

@@ -140,3 +140,26 @@ def test_a_hybrid_layer_skip_draft_gets_a_ring_for_its_k(hybrid):
     assert prepared.speculation.proposer.config.rollback_states == 14  # k + 2: a finished row rolls back k + 1
     assert prepared.speculation.draft.config.rollback_states == HYBRID.rollback_states  # the model is not changed
     assert dataclasses.replace(prepared.speculation.proposer.config, rollback_states=HYBRID.rollback_states) == prepared.speculation.draft.config
+
+
+def test_generate_programs_persist_in_the_xla_cache(tmp_path):
+    """In a fresh process, after a compile that came first (the random init): the prefill and
+    decode-loop programs land in $JAXSPEC_XLA_CACHE_DIR (every program: the 1 s floor set to 0)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = (
+        "import jax, jaxspec\n"
+        "from jaxspec.models import llama\n"
+        "from tests.conftest import TINY\n"
+        "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
+        "model = jaxspec.Model(config=TINY, params=llama.init_params(TINY, jax.random.PRNGKey(0)))\n"
+        "jaxspec.generate(model, None, [1, 2, 3], max_new_tokens=4)\n"
+    )
+    env = {**os.environ, compilation.XLA_CACHE_ENV: str(tmp_path / "xla"), "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    written = sorted(path.name.split("-")[0] for path in (tmp_path / "xla").iterdir())
+    assert "jit_prefill" in written and "jit_decode" in written, written
