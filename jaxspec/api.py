@@ -184,7 +184,8 @@ class Prepared:
         return f"{method}{k}, batch {batch}, prompts up to {prompt_bucket} tokens, {self.spec.capacity} cache slots"
 
 
-def _stop_ids_and_sequences(model: Model, options: GenerateOptions) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+def _stop_ids_and_sequences(model: Model,
+                            options: GenerateOptions) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """Token ids that end a row, and multi-token stop sequences matched on device."""
     cfg = model.config
     stop_ids = set(options.stop_token_ids)

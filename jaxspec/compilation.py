@@ -105,7 +105,8 @@ class CompileWatch:
         if not self._announced:
             self._announced = True
             if _notices["enabled"]:
-                print(f"jaxspec: compiling {self.what} (once per shape; kept for later runs)",
+                kept = "; later runs load it from the XLA cache" if _persistent_cache.get("dir") else ""
+                print(f"jaxspec: compiling {self.what} (once per shape in a process{kept})",
                       file=sys.stderr, flush=True)
         self.seconds += duration
 

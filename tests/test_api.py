@@ -137,9 +137,10 @@ def test_hybrid_speculation_equals_plain_under_the_same_kv_format(hybrid, kv_for
 
 def test_a_hybrid_layer_skip_draft_gets_a_ring_for_its_k(hybrid):
     prepared = jaxspec.prepare(hybrid, HYBRID_PROMPTS[0], method="layer_skip", num_draft_tokens=12)
-    assert prepared.speculation.proposer.config.rollback_states == 14  # k + 2: a finished row rolls back k + 1
-    assert prepared.speculation.draft.config.rollback_states == HYBRID.rollback_states  # the model is not changed
-    assert dataclasses.replace(prepared.speculation.proposer.config, rollback_states=HYBRID.rollback_states) == prepared.speculation.draft.config
+    sized, draft = prepared.speculation.proposer.config, prepared.speculation.draft.config
+    assert sized.rollback_states == 14  # k + 2: a row that already finished rolls back k + 1
+    assert draft.rollback_states == HYBRID.rollback_states  # the draft Model itself is not changed
+    assert dataclasses.replace(sized, rollback_states=HYBRID.rollback_states) == draft
 
 
 def test_generate_programs_persist_in_the_xla_cache(tmp_path):
@@ -158,7 +159,8 @@ def test_generate_programs_persist_in_the_xla_cache(tmp_path):
         "model = jaxspec.Model(config=TINY, params=llama.init_params(TINY, jax.random.PRNGKey(0)))\n"
         "jaxspec.generate(model, None, [1, 2, 3], max_new_tokens=4)\n"
     )
-    env = {**os.environ, compilation.XLA_CACHE_ENV: str(tmp_path / "xla"), "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, compilation.XLA_CACHE_ENV: str(tmp_path / "xla"), "PYTHONPATH": str(repo)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     written = sorted(path.name.split("-")[0] for path in (tmp_path / "xla").iterdir())

@@ -129,7 +129,8 @@ def _with_rollback_ring(config: Any, k: int) -> Any:
 def _draft_model(method: Method, target: Model, draft: Model, options: DraftOptions,
                  sampler: SamplerSpec) -> Speculation:
     if not isinstance(draft, Model):
-        raise InvalidRequestError(f"draft_params must be a jaxspec Model (from jaxspec.load); got {type(draft).__name__}")
+        raise InvalidRequestError(
+            f"draft_params must be a jaxspec Model (from jaxspec.load); got {type(draft).__name__}")
     if isinstance(draft.config, (eagle3.Eagle3Config, mtp.MtpConfig)):
         raise InvalidRequestError(f"method={method.value!r} needs a draft model; this draft is a "
                                   f"{Method.infer(draft).value} head (use method={Method.infer(draft).value!r})")
@@ -166,7 +167,8 @@ def _check_head(target: Model, head: Model | None, config_class: type, method: M
         raise InvalidRequestError(f"method={method.value!r} needs draft_params: an {name} head from {how_to_load}")
     cfg, target_cfg = head.config, target.config
     if cfg.dim != target_cfg.dim:
-        raise InvalidRequestError(f"the {name} head's hidden_size ({cfg.dim}) differs from the target's ({target_cfg.dim})")
+        raise InvalidRequestError(
+            f"the {name} head's hidden_size ({cfg.dim}) differs from the target's ({target_cfg.dim})")
     if cfg.vocab_size != target_cfg.vocab_size:
         raise InvalidRequestError(
             f"the {name} head's vocabulary ({cfg.vocab_size}) differs from the target's ({target_cfg.vocab_size})")
@@ -178,7 +180,8 @@ def _eagle3(target: Model, head: Model | None, options: DraftOptions, sampler: S
     layers = target.config.num_layers
     aux = cfg.resolved_aux_layers(layers)
     if len(aux) != 3 or any(not 0 <= i < layers for i in aux):
-        raise InvalidRequestError(f"EAGLE-3 aux layer ids {aux} must be three layer indices in [0, {layers}) of the target")
+        raise InvalidRequestError(
+            f"EAGLE-3 aux layer ids {aux} must be three layer indices in [0, {layers}) of the target")
     sample = _samples_drafts(sampler, options)
     proposer = proposers.Eagle3(num_draft=options.num_draft_tokens, config=cfg, aux_layer_ids=tuple(aux),
                                 sample=sample, sampler=sampler if sample else None)
