@@ -211,15 +211,15 @@ def early_exit_argmax(model, ids: list[int], exits: tuple[int, ...]) -> dict[int
 @functools.partial(jax.jit, static_argnames=("cfg", "exits"))
 def _early_exit_predict(params, tokens, *, cfg, exits):
     from jaxspec.cache import KVCache
-    from jaxspec.models import llama
+    from jaxspec.models import layers, llama
 
     cache = KVCache.create(cfg, 1, tokens.shape[1])
     _, hiddens, _ = llama.forward(params, cfg, tokens, cache, hidden_layers=tuple(e - 1 for e in exits),
                                   logit_indices=jnp.zeros((1, 1), jnp.int32))
-    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    head = layers.output_head(params, tied=cfg.tie_embeddings)
     out = []
     for h in hiddens:  # [1, T, D]
-        normed = llama.rms_norm(h[0], params["final_norm"], cfg.norm_eps, axis=1)  # [T, D]
+        normed = layers.rms_norm(h[0], params["final_norm"], cfg.norm_eps, axis=1)  # [T, D]
         out.append(jnp.argmax(normed @ head.T, axis=-1))
     return out
 

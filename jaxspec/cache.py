@@ -1,8 +1,17 @@
-"""The KV cache: preallocated per-layer buffers plus per-row lengths (DESIGN.md contract 2).
+"""The `Cache` protocol every trunk's cache honours, and the KV cache that implements it.
 
-Rows of a batch advance independently, so every write lands at that row's own offset and every
-mask comes from that row's length. Rollback is setting `length` back: the stale entries past it
-are masked out and overwritten by the next write, so nothing is copied or erased.
+`Cache` is the contract of rollback by length: a cache is preallocated for `capacity` slots per
+row, `length` int32[B] says how many are committed, and a forward writes its T new tokens at each
+row's `length` without committing them; the caller commits with `advance(n)` or rolls back with
+`set_length(l)`, and nothing is copied or erased. `max_rollback` says how far behind the furthest
+committed length `set_length` may go with no forward in between (a drafter that rolls back k
+drafts a round needs max_rollback >= k); asked for more, a cache raises `StateRollbackError`
+(eagerly; the hybrid cache also from inside a jitted program).
+
+`KVCache` is preallocated per-layer buffers plus per-row lengths. Rows of a batch advance
+independently, so every write lands at that row's own offset and every mask comes from that
+row's length. Rollback is setting `length` back: the stale entries past it are masked out and
+overwritten by the next write, so it can go back to any length (max_rollback = capacity).
 
 K and V are each stored in a `KVFormat`: float32 (the default), bfloat16, or ggml's q8_0 / q5_1
 blocks (`jaxspec.pallas.kv_quant`), e.g. `KVFormat.parse(("q8_0", "q5_1"))`. A block format
@@ -14,13 +23,15 @@ by `KVCache.create`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol, Self, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxspec.config import ModelConfig
-from jaxspec.errors import InvalidRequestError
+from jaxspec.errors import InvalidRequestError, JaxspecError
 from jaxspec.pallas import kv_quant
 from jaxspec.pallas.kv_quant import Format, Packed
 
@@ -28,6 +39,39 @@ from jaxspec.pallas.kv_quant import Format, Packed
 # (DESIGN.md contract 8): batch shards data-parallel, kv heads tensor-parallel. Every leaf of a
 # quantized buffer has the same axes, its last one the packed head dim (never sharded).
 KV_AXES = ("batch", "kv_heads", "kv_seq", "head_dim")
+
+
+class StateRollbackError(JaxspecError):
+    """A cache was asked for a length it cannot serve: behind what it can roll back to, or past
+    what the last forward wrote (for a recurrent state), or outside [0, capacity]."""
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """What the loop and the proposers need of a trunk's cache: rollback by length.
+
+    Implementations are pytrees (`flax.struct` dataclasses) whose methods return a new cache.
+    """
+
+    length: jax.Array  # int32[B]: tokens committed per row; slots >= length are free
+
+    @property
+    def capacity(self) -> int:  # S: slots per row
+        ...
+
+    @property
+    def max_rollback(self) -> int:
+        """How many positions behind its furthest committed length the cache can go back with
+        no forward in between (KVCache: any, its capacity; the hybrid: rollback_states - 1)."""
+        ...
+
+    def advance(self, accepted: jax.Array) -> Self:
+        """Commit `accepted[b]` more of the entries the last forward wrote at each row's offset."""
+        ...
+
+    def set_length(self, length: jax.Array) -> Self:
+        """Commit or roll back to `length[b]` tokens per row."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +115,8 @@ _DTYPE_FORMATS = {jnp.dtype(jnp.float32): Format.F32, jnp.dtype(jnp.bfloat16): F
 
 @struct.dataclass
 class KVCache:
+    """A `Cache` of per-layer K/V buffers for a trunk whose every layer is attention."""
+
     # [B, K, S, H]: (batch, kv head) lead so attention's einsums batch over them without
     # transposing the cache, and each head's keys are contiguous along S. A quantized buffer is
     # a pytree whose leaves are [B, K, S, X] (kv_quant.Q8_0 / Q5_1), packed along H.
@@ -114,9 +160,26 @@ class KVCache:
         """Bytes held by the K/V buffers (the packed bytes for a block format)."""
         return sum(kv_quant.nbytes(buffer) for buffer in self.keys + self.values)
 
+    @property
+    def max_rollback(self) -> int:
+        """Any committed length can be returned to: the entries are all still there."""
+        return self.capacity
+
     def set_length(self, length: jax.Array) -> "KVCache":
-        """Commit or roll back: the first `length[b]` entries of row b are the valid ones."""
-        return dataclasses.replace(self, length=length.astype(jnp.int32))
+        """Commit or roll back: the first `length[b]` entries of row b are the valid ones.
+
+        A concrete length outside [0, capacity] raises StateRollbackError (under jit the loop's
+        own bounds keep lengths in range, and nothing is checked).
+        """
+        length = jnp.asarray(length, jnp.int32)
+        if not isinstance(length, jax.core.Tracer):
+            outside = np.flatnonzero((np.asarray(length) < 0) | (np.asarray(length) > self.capacity))
+            if outside.size:
+                row = int(outside[0])
+                raise StateRollbackError(
+                    f"row {row}: cannot set a KV cache to length {int(np.asarray(length).reshape(-1)[row])}; "
+                    f"it holds lengths 0 .. {self.capacity} (its capacity)")
+        return dataclasses.replace(self, length=length)
 
     def advance(self, accepted: jax.Array) -> "KVCache":
         """Commit `accepted[b]` more of the entries written at each row's offset."""

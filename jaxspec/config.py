@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,14 +35,102 @@ _HF_MODEL_TYPES = {
 }
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Llama3RopeScaling:
-    """Llama-3.1 frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+class RopeType(str, enum.Enum):
+    """RoPE frequency schemes (transformers' `rope_type`) that a static KV cache serves exactly.
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    A str enum, so a config holding one serialises to JSON as its name.
+    """
+
+    DEFAULT = "default"
+    LINEAR = "linear"  # positions interpolated: every frequency divided by `factor`
+    LLAMA3 = "llama3"  # Llama 3.1: low frequencies divided by `factor`, high kept, a ramp between
+    YARN = "yarn"  # NTK-by-parts ramp between interpolation and extrapolation, plus cos/sin scaled
+    LONGROPE = "longrope"  # per-frequency `short_factor` divisors, plus cos/sin scaled
+    # Dynamic NTK: transformers grows theta only once a sequence passes max_position_embeddings;
+    # within it the frequencies are the default ones, and jaxspec never serves past it.
+    DYNAMIC = "dynamic"
+
+
+# Types transformers knows that jaxspec refuses, and why (a static cache cannot follow them).
+_REFUSED_ROPE_TYPES = {
+    "proportional": "it pairs rotated dims across the whole head (Gemma 4), not within the leading rotary_dim",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """How RoPE's inverse frequencies (and, for yarn and longrope, cos/sin) are scaled.
+
+    `jaxspec.models.layers.rope_inv_freq` turns it into frequencies; the fields each type needs:
+        LINEAR, DYNAMIC: factor
+        LLAMA3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+        YARN: factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, and
+            attention_factor or (mscale, mscale_all_dim) for the cos/sin scale
+        LONGROPE: short_factor (one divisor per frequency), original_max_position_embeddings,
+            factor and attention_factor for the cos/sin scale. transformers switches a whole
+            forward to `long_factor` once the sequence passes original_max_position_embeddings,
+            which keys already cached cannot follow; jaxspec serves the context up to it
+            (`context_limit`), where the short factors are exact.
+    """
+
+    rope_type: RopeType
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float = 32.0  # yarn: rotations per context above which dims are extrapolated
+    beta_slow: float = 1.0  # yarn: below which they are interpolated
+    truncate: bool = True  # yarn: round the correction range to whole dims
+    mscale: float | None = None  # yarn (DeepSeek): attention factor numerator's log multiplier
+    mscale_all_dim: float | None = None  # yarn (DeepSeek): its denominator's
+    attention_factor: float | None = None  # yarn, longrope: explicit cos/sin scale (else derived)
+    short_factor: tuple[float, ...] | None = None  # longrope: R/2 divisors
+
+    def __post_init__(self):
+        # Coerce what a JSON round trip returns (a str, a list) back to the hashable types.
+        try:
+            object.__setattr__(self, "rope_type", RopeType(self.rope_type))
+        except ValueError:
+            raise UnsupportedModelError(
+                f"rope scaling type {self.rope_type!r} is not supported; jaxspec reads "
+                f"{[t.value for t in RopeType]}") from None
+        if self.short_factor is not None:
+            object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
+        needed = {
+            RopeType.LLAMA3: ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            RopeType.YARN: ("original_max_position_embeddings",),
+            RopeType.LONGROPE: ("short_factor", "original_max_position_embeddings"),
+        }.get(self.rope_type, ())
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise UnsupportedModelError(f"rope scaling {self.rope_type.value!r} needs {missing}")
+        if self.factor <= 0:
+            raise UnsupportedModelError(f"rope scaling factor={self.factor} must be > 0")
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on cos and sin (transformers' `attention_scaling`); 1 for most types."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.rope_type is RopeType.YARN:
+            def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+                return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+            if self.mscale and self.mscale_all_dim:
+                return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+            return yarn_mscale(self.factor)
+        if self.rope_type is RopeType.LONGROPE and self.factor > 1.0:
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+        return 1.0
+
+    @property
+    def context_limit(self) -> int | None:
+        """The longest context the scaling is exact for, if it has one (longrope; see above)."""
+        return self.original_max_position_embeddings if self.rope_type is RopeType.LONGROPE else None
+
+
+# The name checkpoints.config_from_dict reads a stored scaling with (converted directories written
+# before RopeScaling hold llama3 fields without a rope_type); it goes with the loaders' move.
+Llama3RopeScaling = functools.partial(RopeScaling, rope_type=RopeType.LLAMA3)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,7 +147,7 @@ class ModelConfig:
     ffn_dim: int  # F
     rope_theta: float = 10000.0
     rotary_dim: int  # leading dims of each head that RoPE rotates (<= H, even)
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-6
     max_position_embeddings: int = 2048  # the context: prompt + new tokens never exceed it
     tie_embeddings: bool = False
@@ -102,8 +192,14 @@ def resolve_rotary_dim(hf: Mapping[str, Any], head_dim: int) -> int:
     return int(head_dim * factor)
 
 
-def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    """(theta, scaling) from `rope_theta`/`rope_scaling` or transformers 5's `rope_parameters`."""
+def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from `rope_theta`/`rope_scaling` or transformers 5's `rope_parameters`.
+
+    Fields default as transformers' `standardize_rope_params` and `ROPE_INIT_FUNCTIONS` default
+    them: original_max_position_embeddings from the top level or max_position_embeddings; a yarn
+    or longrope `factor` left out is max_position_embeddings / original. A type jaxspec cannot
+    serve exactly is refused by name, with the reason.
+    """
     params = hf.get("rope_parameters")
     scaling = hf.get("rope_scaling")
     theta = hf.get("rope_theta")
@@ -117,13 +213,44 @@ def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | No
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
-        raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported (only 'llama3')")
-    return theta, Llama3RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    if rope_type in _REFUSED_ROPE_TYPES:
+        raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported: {_REFUSED_ROPE_TYPES[rope_type]}")
+    if rope_type not in {t.value for t in RopeType}:
+        raise UnsupportedModelError(
+            f"rope scaling type {rope_type!r} is not supported; jaxspec reads {[t.value for t in RopeType]}")
+
+    def number(name: str, convert=float):
+        value = scaling.get(name)
+        return None if value is None else convert(value)
+
+    context = hf.get("max_position_embeddings")
+    original = hf.get("original_max_position_embeddings", scaling.get("original_max_position_embeddings", context))
+    original = None if original is None else int(original)
+    factor = number("factor")
+    if factor is None and rope_type in ("yarn", "longrope") and context is not None and original:
+        factor = int(context) / original
+    if factor is None and rope_type != "longrope":
+        raise UnsupportedModelError(f"rope scaling {rope_type!r} lacks its 'factor'")
+    short_factor = scaling.get("short_factor")
+    if short_factor is not None and "hidden_size" in hf and "num_attention_heads" in hf:
+        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+        if len(short_factor) != resolve_rotary_dim(hf, head_dim) // 2:
+            raise UnsupportedModelError(
+                f"rope scaling 'longrope' short_factor has {len(short_factor)} entries; the rotated width "
+                f"{resolve_rotary_dim(hf, head_dim)} needs one per frequency, {resolve_rotary_dim(hf, head_dim) // 2}")
+    return theta, RopeScaling(
+        rope_type=RopeType(rope_type),
+        factor=1.0 if factor is None else factor,
+        original_max_position_embeddings=original,
+        low_freq_factor=number("low_freq_factor"),
+        high_freq_factor=number("high_freq_factor"),
+        beta_fast=number("beta_fast") or 32.0,
+        beta_slow=number("beta_slow") or 1.0,
+        truncate=bool(scaling.get("truncate", True)),
+        mscale=number("mscale"),
+        mscale_all_dim=number("mscale_all_dim"),
+        attention_factor=number("attention_factor"),
+        short_factor=None if short_factor is None else tuple(float(f) for f in short_factor),
     )
 
 

@@ -1,13 +1,59 @@
-"""KV cache: per-row writes, rollback by length, and forward consistency across cache states."""
+"""The Cache protocol (both caches honour it, max_rollback means what it says), and the KV
+cache: per-row writes, rollback by length, and forward consistency across cache states."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.cache import KVCache, write_rows
-from jaxspec.models import llama
+from jaxspec.cache import Cache, KVCache, StateRollbackError, write_rows
+from jaxspec.models import llama, qwen35
+from jaxspec.models.qwen35 import LayerType, Qwen35Cache, Qwen35Config
 from tests.conftest import TINY, max_relative_error
+
+HYBRID = Qwen35Config(vocab_size=32, dim=16, num_layers=2, layer_types=(LayerType.LINEAR_ATTENTION,
+                      LayerType.FULL_ATTENTION), ffn_dim=16, num_heads=2, num_kv_heads=1, head_dim=8, rotary_dim=4,
+                      linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=4,
+                      linear_value_head_dim=4, rollback_states=3)
+
+
+def _hybrid_cache_after(steps: int) -> Qwen35Cache:
+    """A batch-of-one hybrid cache that ran and committed `steps` tokens, one forward each."""
+    params = qwen35.init_params(HYBRID, jax.random.PRNGKey(0))
+
+    @jax.jit
+    def step(cache, token):
+        _, _, cache = qwen35.forward(params, HYBRID, token, cache)
+        return cache.advance(jnp.ones_like(cache.length))
+
+    cache = Qwen35Cache.create(HYBRID, 1, 16)
+    for token in range(steps):
+        cache = step(cache, jnp.full((1, 1), token, jnp.int32))
+    return cache
+
+
+@pytest.mark.parametrize("kind", ["kv", "hybrid"])
+def test_both_caches_honour_the_protocol_and_its_max_rollback(kind):
+    """Structurally a Cache; and from its furthest commit, rolling back exactly max_rollback
+    positions works while max_rollback + 1 raises (KVCache: any length down to 0; the hybrid:
+    what its ring of rollback_states DeltaNet states holds)."""
+    if kind == "kv":
+        cache = KVCache.create(TINY, batch=1, capacity=8).advance(jnp.array([8]))
+        assert cache.max_rollback == cache.capacity == 8
+    else:
+        cache = _hybrid_cache_after(5)
+        assert cache.max_rollback == HYBRID.rollback_states - 1 == 2
+    assert isinstance(cache, Cache)
+    furthest = int(cache.length[0])
+    rolled = cache.set_length(cache.length - cache.max_rollback)
+    assert int(rolled.length[0]) == furthest - cache.max_rollback
+    with pytest.raises(StateRollbackError, match="cannot set"):
+        cache.set_length(cache.length - cache.max_rollback - 1)
+
+
+def test_kv_cache_refuses_lengths_past_its_capacity():
+    with pytest.raises(StateRollbackError, match="row 1: cannot set a KV cache to length 9"):
+        KVCache.create(TINY, batch=2, capacity=8).set_length(jnp.array([8, 9]))
 
 
 def test_write_rows_lands_at_each_rows_offset():

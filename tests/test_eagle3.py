@@ -4,20 +4,17 @@ checkpoint format, the aux-layer convention, config parsing, and exact speculati
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import jaxspec
 from jaxspec import checkpoints
 from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig, config_from_hf
+from jaxspec.config import ModelConfig, RopeType, config_from_hf
 from jaxspec.models import eagle3, llama
 from tests.conftest import max_relative_error
 
@@ -51,14 +48,20 @@ def head(head_dir):
 # ------------------------------------------------------------------------------------------
 
 def _t(x):
+    import torch
+
     return torch.tensor(np.asarray(x), dtype=torch.float64)
 
 
 def _rms(x, w, eps):
+    import torch
+
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 def _rope(x, positions, theta, rotary_dim):  # x [heads, T, H]; rotate-half on the first rotary_dim
+    import torch
+
     inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     angles = positions[:, None].double() * inv[None, :]  # [T, R/2]
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
@@ -70,6 +73,8 @@ def _rope(x, positions, theta, rotary_dim):  # x [heads, T, H]; rotate-half on t
 
 def torch_head_steps(p, cfg, embed, tokens, g):
     """tokens [T], g [T, D]: run the head over T positions (causal); -> logits [T, Vd], g_next [T, D]."""
+    import torch
+
     T = len(tokens)
     e = embed[tokens]
     cat = torch.cat([_rms(e, p["input_layernorm"], cfg.norm_eps), _rms(g, p["hidden_norm"], cfg.norm_eps)], -1)
@@ -91,6 +96,8 @@ def torch_head_steps(p, cfg, embed, tokens, g):
 
 def test_head_matches_an_independent_torch_implementation_over_several_steps(head, target):
     """Absorb 7 positions of target features, then draft 4 tokens on the head's own g."""
+    import torch
+
     p = {name: _t(value) for name, value in head.params.items() if name != "d2t"}
     embed = _t(target.params["embed"])
     rng = np.random.RandomState(0)
@@ -136,6 +143,9 @@ def test_checkpoint_round_trip_and_d2t(head_dir, head):
 
 def test_aux_ids_are_the_streams_entering_those_layers(tmp_path):
     """aux id i == HF's hidden_states[i] (the input of layer i) == our hidden_layers i - 1."""
+    import torch
+    import transformers
+
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
@@ -181,6 +191,16 @@ def test_rope_width_is_resolved_identically_for_head_and_trunk(extra, expected):
     hf = {**BASE_HF, **extra}
     assert eagle3.config_from_hf(hf).rotary_dim == expected
     assert config_from_hf(hf).rotary_dim == expected
+
+
+def test_rope_scaling_of_a_head_reaches_its_attention():
+    """A Llama 3.1 head declares llama3 scaling as its target does; its attention runs with it."""
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    cfg = eagle3.config_from_hf({**BASE_HF, "rope_scaling": scaling})
+    assert cfg.rope_scaling == config_from_hf({**BASE_HF, "rope_scaling": scaling}).rope_scaling
+    assert cfg.attention_config.rope_scaling is cfg.rope_scaling
+    assert cfg.rope_scaling.rope_type is RopeType.LLAMA3
 
 
 def test_eagle_config_declares_aux_layers():

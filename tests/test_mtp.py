@@ -23,10 +23,6 @@ from jaxspec.cache import KVCache
 from jaxspec.models import llama, mtp
 from tests.conftest import TINY, max_relative_error
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from transformers.modeling_layers import MtpModel  # noqa: E402
-
 VOCAB = 96
 MELLUM = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, layer_types=["full_attention"] * 2, mlp_layer_types=["dense"] * 2,
@@ -61,7 +57,10 @@ def _word_tokenizer(directory) -> None:
 
 @pytest.fixture(scope="module")
 def mellum_dir(tmp_path_factory):
+    import torch
+    import transformers
     from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
 
     directory = tmp_path_factory.mktemp("mellum_mtp")
     torch.manual_seed(0)
@@ -90,6 +89,9 @@ def mellum_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_models(mellum_dir):
     """The target and transformers' own reading of its MTP head from the checkpoint."""
+    import transformers
+    from transformers.modeling_layers import MtpModel
+
     model = transformers.MellumForCausalLM.from_pretrained(mellum_dir).eval()
     return model, MtpModel.from_pretrained(model).eval()
 
@@ -105,6 +107,8 @@ def head(mellum_dir):
 
 
 def test_mellum_trunk_matches_transformers(hf_models, target):
+    import torch
+
     model, _ = hf_models
     assert target.config.qk_norm and target.config.rope_theta == 500000.0
     with torch.no_grad():
@@ -131,6 +135,7 @@ def test_head_weights_are_what_transformers_reads(hf_models, head):
 def test_head_logits_match_mtp_model_over_chained_steps(hf_models, target, head):
     """Teacher-forced pairs (h_p, token p + 1) over a sequence, then two steps chained on the
     head's own output: draft logits within 1e-4 of transformers' MtpModel, the same tokens."""
+    import torch
     from transformers.cache_utils import MtpCache
 
     model, hf_head = hf_models
@@ -172,6 +177,7 @@ def test_transformers_mtp_generation_proposes_what_jaxspec_proposes(hf_models, t
     """transformers' own MTP assisted generation (MTPCandidateGenerator, one draft per round):
     its output is plain greedy, each candidate is the argmax our head gives at that position, and
     jaxspec's MTP run at k = 1 accepts exactly as many drafts."""
+    import torch
     from transformers.generation import candidate_generator
 
     model, _ = hf_models

@@ -12,13 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import jaxspec
 from jaxspec.cache import KVCache
 from jaxspec.checkpoints import load_checkpoint
-from jaxspec.config import ModelConfig, resolve_rotary_dim
+from jaxspec.config import ModelConfig, RopeType, resolve_rotary_dim
 from jaxspec.models import llama
 from tests.conftest import assert_same_greedy, max_relative_error
 
@@ -26,29 +24,36 @@ COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               initializer_range=0.08, rms_norm_eps=1e-5)
 
+# case -> (transformers config class, model class, config fields beside COMMON)
 CASES = {
-    "llama-untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                     dict(tie_word_embeddings=False, rope_theta=10000.0)),
-    "llama-tied-llama3-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+    "llama-untied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, rope_theta=10000.0)),
+    "llama-tied-llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
         tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=512,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=64))),
-    "smollm2-like-gqa3": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+    # YaRN over a short original context, so the ramp covers several dims and the attention
+    # factor (0.1 ln 4 + 1 on cos and sin) is far from 1.
+    "llama-yarn-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=256,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
+    "smollm2-like-gqa3": ("LlamaConfig", "LlamaForCausalLM", dict(
         hidden_size=96, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
         rope_theta=100000.0)),
-    "qwen2-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
-    "qwen3-qknorm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
-                     dict(tie_word_embeddings=True, head_dim=24)),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
-                dict(tie_word_embeddings=False, sliding_window=None, head_dim=16)),
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen3-qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=24)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None, head_dim=16)),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
-    config_cls, model_cls, extra = CASES[request.param]
+    import torch
+    import transformers
+
+    config_name, model_name, extra = CASES[request.param]
     torch.manual_seed(hash(request.param) % 1000)
-    hf_model = model_cls(config_cls(**{**COMMON, **extra})).eval()
+    config = getattr(transformers, config_name)(**{**COMMON, **extra})
+    hf_model = getattr(transformers, model_name)(config).eval()
     directory = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(directory, safe_serialization=True)
     ckpt = load_checkpoint(directory)
@@ -56,12 +61,18 @@ def case(request, tmp_path_factory):
 
 
 def _hf_logits(hf_model, tokens):
+    import torch
+
     with torch.no_grad():
         return hf_model(torch.tensor(tokens)).logits.numpy()
 
 
 def test_logits_match_transformers(case):
     hf_model, model = case
+    scaling = hf_model.config.rope_parameters.get("rope_type", "default")
+    assert (model.config.rope_scaling is None) == (scaling == "default")
+    if model.config.rope_scaling is not None:
+        assert model.config.rope_scaling.rope_type is RopeType(scaling)
     tokens = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 24))
     logits, _, _ = jax.jit(llama.forward, static_argnums=1)(
         model.params, model.config, jnp.asarray(tokens, jnp.int32), KVCache.create(model.config, 2, 32))
@@ -70,6 +81,8 @@ def test_logits_match_transformers(case):
 
 
 def test_hidden_states_match_transformers(case):
+    import torch
+
     hf_model, model = case
     tokens = np.random.RandomState(1).randint(0, model.config.vocab_size, (1, 10))
     layers = (0, model.config.num_layers - 2)
@@ -82,6 +95,8 @@ def test_hidden_states_match_transformers(case):
 
 
 def test_32_greedy_tokens_match_transformers(case):
+    import torch
+
     hf_model, model = case
     prompt = np.random.RandomState(2).randint(0, model.config.vocab_size, (11,)).tolist()
     with torch.no_grad():
@@ -101,6 +116,9 @@ def test_32_greedy_tokens_match_transformers(case):
 def test_partial_rotary_matches_transformers_phi3(tmp_path):
     """Partial RoPE (rotate the first half of each head, pass the rest) against HF's Phi-3,
     the Llama-shaped HF model that implements it. Phi-3 fuses qkv and gate/up; split them here."""
+    import torch
+    import transformers
+
     torch.manual_seed(3)
     hf_config = transformers.Phi3Config(**{**COMMON, "num_key_value_heads": 2}, partial_rotary_factor=0.5,
                                         pad_token_id=0, tie_word_embeddings=False, rope_theta=10000.0)

@@ -18,16 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 from safetensors.numpy import load_file, save_file
 
 import jaxspec
-from jaxspec import models
 from jaxspec.checkpoints import load_checkpoint
+from jaxspec.config import RopeScaling, RopeType
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models import qwen35
-from jaxspec.models.qwen35 import DeltaRule, LayerType, Qwen35Cache, Qwen35Config, StateRollbackError
+from jaxspec.cache import StateRollbackError
+from jaxspec.models.qwen35 import DeltaRule, LayerType, Qwen35Cache, Qwen35Config
 from jaxspec.sampling import SamplingParams, distribution, spec_for
 from jaxspec.spec import loop
 from jaxspec.spec.proposers import Proposal
@@ -50,55 +49,6 @@ def _step_fn(cfg):
         logits, _, cache = qwen35.forward(params, cfg, token[:, None], cache)
         return logits[:, 0], cache.advance(jnp.ones_like(cache.length))
     return step
-
-
-# ----------------------------------------------------------------------------------------------
-# The two forms of the delta rule
-# ----------------------------------------------------------------------------------------------
-
-
-def _delta_inputs(batch=2, steps=37, heads=3, dk=4, dv=5, seed=0):
-    rng = np.random.RandomState(seed)
-
-    def unit(x):
-        return x / np.sqrt((x * x).sum(-1, keepdims=True))
-
-    arrays = (unit(rng.randn(batch, steps, heads, dk)) * dk ** -0.5, unit(rng.randn(batch, steps, heads, dk)),
-              rng.randn(batch, steps, heads, dv), -rng.rand(batch, steps, heads) * 0.3,
-              rng.rand(batch, steps, heads), rng.randn(batch, heads, dk, dv))
-    return [jnp.asarray(a, jnp.float32) for a in arrays]
-
-
-def test_recurrent_step_by_hand():
-    """One head, dk = dv = 1: S' = S e^g + beta k (v - S e^g k), o = S' q."""
-    q, k, v, g, beta, s = (jnp.full((1, 1, 1, 1), 0.5), jnp.full((1, 1, 1, 1), 1.0), jnp.full((1, 1, 1, 1), 3.0),
-                           jnp.full((1, 1, 1), np.log(0.5)), jnp.full((1, 1, 1), 0.25), jnp.full((1, 1, 1, 1), 2.0))
-    out, states = qwen35.recurrent_delta_rule(q, k, v, g, beta, s)
-    # decayed S = 1; memory = 1; delta = 0.25 * (3 - 1) = 0.5; S' = 1.5; o = 0.75
-    np.testing.assert_allclose(states[0, 0, 0], [[1.5]], rtol=1e-6)
-    np.testing.assert_allclose(out[0, 0, 0], [0.75], rtol=1e-6)
-
-
-@pytest.mark.parametrize("chunk_size", [16, 64])
-def test_chunked_form_equals_recurrent_form(chunk_size):
-    q, k, v, g, beta, s = _delta_inputs()
-    out, states = jax.jit(qwen35.recurrent_delta_rule)(q, k, v, g, beta, s)
-    chunk_out, starts, final = jax.jit(qwen35.chunked_delta_rule, static_argnames="chunk_size")(
-        q, k, v, g, beta, s, chunk_size=chunk_size)
-    np.testing.assert_allclose(chunk_out, out, atol=2e-5, rtol=1e-4)
-    np.testing.assert_allclose(final, states[:, -1], atol=2e-5, rtol=1e-4)
-    size = min(chunk_size, q.shape[1])
-    np.testing.assert_allclose(starts[:, 0], s)
-    for c in range(1, starts.shape[1]):  # chunk c starts from the state after c * size tokens
-        np.testing.assert_allclose(starts[:, c], states[:, c * size - 1], atol=2e-5, rtol=1e-4)
-
-
-def test_unit_lower_inverse_is_a_triangular_solve():
-    rng = np.random.RandomState(3)
-    for size in (1, 2, 7, 64):
-        lower = np.tril(rng.randn(3, size, size) * 0.5, -1).astype(np.float32)
-        expected = np.linalg.inv(np.eye(size) + lower.astype(np.float64))
-        assert max_relative_error(jax.jit(qwen35.unit_lower_inverse)(jnp.asarray(lower)), expected) < 1e-5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,8 +75,10 @@ HF_CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every weight random, in ranges a trained Qwen3.5 has (decay rates A in (0.05, 2))."""
+def _randomize(model, seed: int) -> None:
+    """Every weight of the torch `model` random, in ranges a trained Qwen3.5 has (decay rates A in (0.05, 2))."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -142,11 +94,14 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.12 * torch.randn(param.shape, generator=generator))
 
 
-def _write_hf(directory: pathlib.Path, case: str, dtype=torch.float32, seed=0):
+def _write_hf(directory: pathlib.Path, case: str, dtype: str = "float32", seed=0):
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
     hf_model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**HF_COMMON, **HF_CASES[case])).eval()
     _randomize(hf_model, seed)
-    hf_model = hf_model.to(dtype)
+    hf_model = hf_model.to(getattr(torch, dtype))
     hf_model.save_pretrained(directory, safe_serialization=True)
     return hf_model
 
@@ -160,6 +115,8 @@ def hf_case(request, tmp_path_factory):
 
 
 def _hf_logits(hf_model, tokens) -> np.ndarray:
+    import torch
+
     with torch.no_grad():
         return hf_model(torch.tensor(np.asarray(tokens))).logits.float().numpy()
 
@@ -181,6 +138,8 @@ def _prefill(model, tokens, cache):
 
 def test_chunked_prefill_logits_and_hidden_states_match_transformers(hf_case):
     """80 tokens: the chunked form over two chunks (64 + 16), batch 2."""
+    import torch
+
     hf_model, model = hf_case
     tokens = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 80))
     logits, hiddens, _ = _prefill(model, tokens, Qwen35Cache.create(model.config, 2, 96))
@@ -195,6 +154,8 @@ def test_chunked_prefill_logits_and_hidden_states_match_transformers(hf_case):
 def test_step_by_step_decode_and_32_greedy_tokens_match_transformers(hf_case):
     """Token-at-a-time (the recurrent form, T = 1): the prompt, then 32 greedy tokens; logits at
     every step against HF's full-sequence forward, tokens against HF's own greedy generate."""
+    import torch
+
     hf_model, model = hf_case
     cfg = model.config
     prompt = np.random.RandomState(2).randint(0, cfg.vocab_size, (11,)).tolist()
@@ -220,11 +181,34 @@ def test_step_by_step_decode_and_32_greedy_tokens_match_transformers(hf_case):
     assert_same_greedy(ours, reference, lambda i: full[len(prompt) - 1 + i])
 
 
+def test_yarn_scaled_rope_matches_transformers(tmp_path):
+    """The attention layers run the shared RoPE with `cfg.rope_scaling`: the same weights under a
+    yarn-scaled HF config (scaled frequencies over the half-width rotation, and the attention
+    factor on cos and sin) give HF's logits, which differ from the unscaled model's."""
+    import transformers
+
+    case = "attention-first-untied-rope0.5"
+    hf_model = _write_hf(tmp_path, case, seed=9)
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=50000.0,
+                partial_rotary_factor=0.5)
+    scaled_model = transformers.Qwen3_5ForCausalLM(
+        transformers.Qwen3_5TextConfig(**HF_COMMON, **{**HF_CASES[case], "rope_parameters": yarn})).eval()
+    scaled_model.load_state_dict(hf_model.state_dict())
+    ckpt = load_checkpoint(tmp_path)
+    cfg = dataclasses.replace(ckpt.config, rope_scaling=RopeScaling(rope_type=RopeType.YARN, factor=4.0,
+                                                                    original_max_position_embeddings=32))
+    tokens = np.random.RandomState(9).randint(0, cfg.vocab_size, (1, 40))
+    logits, _, _ = forward(ckpt.params, cfg, jnp.asarray(tokens, jnp.int32), Qwen35Cache.create(cfg, 1, 48))
+    error = max_relative_error(logits, _hf_logits(scaled_model, tokens))
+    assert error <= 1e-4, f"max relative logits error {error:.2e}"
+    assert max_relative_error(logits, _hf_logits(hf_model, tokens)) > 1e-3
+
+
 def test_bf16_checkpoint_and_multimodal_layout_load(tmp_path):
     """bf16 safetensors load exactly (to float32, norms + 1); a `qwen3_5` (vision-language) dir
     with the text trunk under model.language_model.* loads the same params."""
     case = "interval4-tied-rope0.25"
-    hf_model = _write_hf(tmp_path / "bf16", case, dtype=torch.bfloat16, seed=5)
+    hf_model = _write_hf(tmp_path / "bf16", case, dtype="bfloat16", seed=5)
     ckpt = load_checkpoint(tmp_path / "bf16")
     state = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
     np.testing.assert_array_equal(ckpt.params["embed"], state["model.embed_tokens.weight"])
@@ -588,6 +572,8 @@ TEXT_CONFIG = dict(model_type="qwen3_5_text", vocab_size=64, hidden_size=32, int
 
 
 def test_config_defaults_follow_transformers():
+    import transformers
+
     cfg = qwen35.config_from_hf(TEXT_CONFIG)
     reference = transformers.Qwen3_5TextConfig(**{k: v for k, v in TEXT_CONFIG.items() if k != "model_type"})
     assert [t.value for t in cfg.layer_types] == reference.layer_types

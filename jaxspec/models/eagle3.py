@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig, _rope_settings, resolve_rotary_dim
+from jaxspec.config import ModelConfig, RopeScaling, _rope_settings, resolve_rotary_dim
 from jaxspec.errors import UnsupportedModelError
-from jaxspec.models import llama
+from jaxspec.models.layers import logits_head, rms_norm, rope_tables, self_attention, swiglu
 
 Params = dict[str, Any]
 
@@ -55,6 +55,7 @@ class Eagle3Config:
     vocab_size: int  # the target's V, which d2t maps into
     rope_theta: float
     rotary_dim: int
+    rope_scaling: RopeScaling | None = None  # as the head's checkpoint declares it (Llama 3.1 heads: llama3)
     norm_eps: float
     max_position_embeddings: int
     aux_layer_ids: tuple[int, ...] | None = None  # input-of-layer ids; None = the default for the target
@@ -65,8 +66,8 @@ class Eagle3Config:
         return ModelConfig(
             vocab_size=self.draft_vocab_size, dim=self.dim, num_layers=1, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, ffn_dim=self.ffn_dim,
-            rope_theta=self.rope_theta, rotary_dim=self.rotary_dim, norm_eps=self.norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta, rotary_dim=self.rotary_dim, rope_scaling=self.rope_scaling,
+            norm_eps=self.norm_eps, max_position_embeddings=self.max_position_embeddings,
         )
 
     def resolved_aux_layers(self, target_layers: int) -> tuple[int, ...]:
@@ -92,8 +93,6 @@ def config_from_hf(hf: Mapping[str, Any]) -> Eagle3Config:
         num_heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or dim // num_heads)
         theta, scaling = _rope_settings(hf)
-        if scaling is not None:
-            raise UnsupportedModelError("rope scaling in an EAGLE-3 head is not supported")
         eagle = hf.get("eagle_config") or {}
         aux = eagle.get("eagle_aux_hidden_state_layer_ids")
         vocab = int(hf["vocab_size"])
@@ -101,7 +100,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> Eagle3Config:
             dim=dim, num_heads=num_heads, num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=head_dim, ffn_dim=int(hf["intermediate_size"]),
             draft_vocab_size=int(hf.get("draft_vocab_size") or vocab), vocab_size=vocab,
-            rope_theta=theta, rotary_dim=resolve_rotary_dim(hf, head_dim),
+            rope_theta=theta, rotary_dim=resolve_rotary_dim(hf, head_dim), rope_scaling=scaling,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             aux_layer_ids=None if aux is None else tuple(int(i) for i in aux),
@@ -160,19 +159,17 @@ def forward(
     batch, steps = tokens.shape
     attention_cfg = cfg.attention_config
     positions = cache.length[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
-    cos, sin = llama.rope_tables(attention_cfg, positions)
+    cos, sin = rope_tables(attention_cfg, positions)
 
     e = jnp.take(embed, tokens.reshape(-1), axis=0).T  # [D, B*T]
     g = g.reshape(batch * steps, cfg.dim).T  # [D, B*T]
-    cat = jnp.concatenate([llama.rms_norm(e, params["input_layernorm"], cfg.norm_eps),
-                           llama.rms_norm(g, params["hidden_norm"], cfg.norm_eps)], axis=0)  # [2D, B*T]
-    attn_out, keys, values = llama._attention(params, attention_cfg, cat, cos, sin, cache.keys[0],
-                                              cache.values[0], cache.length, batch, steps)
+    cat = jnp.concatenate([rms_norm(e, params["input_layernorm"], cfg.norm_eps),
+                           rms_norm(g, params["hidden_norm"], cfg.norm_eps)], axis=0)  # [2D, B*T]
+    attn_out, keys, values = self_attention(params, attention_cfg, cat, cos, sin, cache.keys[0], cache.values[0],
+                                            cache.length, batch, steps)
     x1 = g + attn_out  # the residual is the pre-norm g
-    z = llama.rms_norm(x1, params["post_attention_layernorm"], cfg.norm_eps)
-    g_next = x1 + params["down_proj"] @ (jax.nn.silu(params["gate_proj"] @ z) * (params["up_proj"] @ z))
-    logits = params["lm_head"] @ llama.rms_norm(g_next, params["norm"], cfg.norm_eps)  # [Vd, B*T]
-    logits = logits.reshape(-1, batch, steps).transpose(1, 2, 0)
+    g_next = x1 + swiglu(params, rms_norm(x1, params["post_attention_layernorm"], cfg.norm_eps))
+    logits = logits_head(params["lm_head"], rms_norm(g_next, params["norm"], cfg.norm_eps), batch, steps)  # [B, T, Vd]
     g_next = g_next.reshape(cfg.dim, batch, steps).transpose(1, 2, 0)
     return logits, g_next, cache.replace(keys=(keys,), values=(values,))
 

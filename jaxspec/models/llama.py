@@ -1,11 +1,13 @@
 """The Llama-family trunk: Llama 3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (QK-norm).
 
-A pure function `forward(params, cfg, tokens, cache) -> (logits, hiddens, cache)`.
+A pure function `forward(params, cfg, tokens, cache) -> (logits, hiddens, cache)`, a stack of
+`jaxspec.models.layers.decoder_layer` (RMSNorm, attention, SwiGLU) between the embedding and the
+logits head; this module holds the family's parameter layout and its forward.
 
 Layout, and why: weights stay `[out, in]` as HF and GGUF store them, and activations inside the
 trunk are feature-major, `[D, B*T]`, so every projection is `W @ h`. On XLA CPU that is the
 spelling whose cost grows slowest with T (T = 8 costs ~1.8x T = 1, against ~3.3x for `x @ W`;
-see shared/notes), and speculative verification is a T = k+1 forward. Layers are a Python list
+measured on this trunk), and speculative verification is a T = k+1 forward. Layers are a Python list
 (unrolled under jit): slicing a stacked `[L, ...]` weight per layer measured 9x slower here.
 
 Params pytree (float32 unless a loader says otherwise):
@@ -20,17 +22,15 @@ Q/K rows follow HF's rotate-half RoPE convention (GGUF loaders undo llama.cpp's 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxspec.cache import KVCache, write_kv
+from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.pallas.flash_decode import Attention, attend, quantize_for
-from jaxspec.pallas.kv_quant import Packed
+from jaxspec.models.layers import decoder_layer, logits_head, output_head, rms_norm, rope_tables
+from jaxspec.pallas.flash_decode import Attention
 
 Params = dict[str, Any]
 
@@ -87,108 +87,6 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
     return params
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [R/2] for the rotated width R = cfg.rotary_dim, Llama-3 scaled if set."""
-    exponents = np.arange(0, cfg.rotary_dim, 2, dtype=np.float64) / cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta**exponents)
-    scaling = cfg.rope_scaling
-    if scaling is not None:
-        # Llama 3.1: low frequencies divided by `factor`, high kept, a smooth ramp between.
-        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        ramped = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-        inv_freq = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        inv_freq = np.where(is_medium, ramped, inv_freq)
-    return inv_freq.astype(np.float32)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int) -> jax.Array:
-    """Rotate-half RoPE on the leading `rotary_dim` of the head axis; the rest passes through.
-
-    x: [heads, H, B, T] (feature-major); cos, sin: [R/2, B, T].
-    """
-    half = rotary_dim // 2
-    x1, x2, rest = x[:, :half], x[:, half:rotary_dim], x[:, rotary_dim:]
-    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
-    return jnp.concatenate(rotated + ([rest] if rest.shape[1] else []), axis=1)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0) -> jax.Array:
-    """RMSNorm over `axis` (the feature axis: 0 for [D, B*T], 1 for [heads, H, B, T])."""
-    shape = [1] * x.ndim
-    shape[axis] = -1
-    variance = jnp.mean(jnp.square(x), axis=axis, keepdims=True)
-    return x * jax.lax.rsqrt(variance + eps) * weight.reshape(shape)
-
-
-def _project(w: jax.Array, h: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    out = w @ h  # [out, in] @ [in, B*T] -> [out, B*T]
-    return out if bias is None else out + bias[:, None]
-
-
-def _attention(
-    layer: Params, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
-    keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
-    *, attention: Attention | str = Attention.AUTO,
-) -> tuple[jax.Array, Packed, Packed]:
-    """Self-attention of T new tokens per row over that row's cache. h: [D, B*T] (normed).
-
-    keys/values are the layer's buffers in the cache's format; `attention` picks the Pallas
-    kernel or the XLA reference (jaxspec.pallas.flash_decode.Attention).
-    """
-    N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-    q = _project(layer["q_proj"], h, layer.get("q_bias")).reshape(N, H, batch, steps)
-    k = _project(layer["k_proj"], h, layer.get("k_bias")).reshape(K, H, batch, steps)
-    v = _project(layer["v_proj"], h, layer.get("v_bias")).reshape(K, H, batch, steps)
-    if cfg.qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.norm_eps, axis=1)
-        k = rms_norm(k, layer["k_norm"], cfg.norm_eps, axis=1)
-    q = apply_rope(q, cos, sin, cfg.rotary_dim)
-    k = apply_rope(k, cos, sin, cfg.rotary_dim)
-
-    # The new keys/values land at each row's own offset (quantized on the way in for a block
-    # format); attention then reads them back from the cache like every other slot, so a T = 1
-    # and a T = k+1 forward see the same stored values.
-    quantize = quantize_for(attention, H, keys.shape[2])
-    keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
-    values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
-
-    # Queries as [B, T, K, G, H] (GQA: query head k*G + g reads kv head k).
-    q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 4, 0, 1, 2))
-    out = attend(q, keys, values, offsets, attention=attention)  # [B, T, K, G, H]
-    out = jnp.transpose(out, (2, 3, 4, 0, 1)).reshape(N * H, batch * steps)  # [N*H, B*T]
-    return layer["o_proj"] @ out, keys, values
-
-
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [R/2, B, T] for int32[B, T] positions."""
-    angles = rope_inv_freq(cfg)[:, None, None] * positions[None].astype(jnp.float32)  # [R/2, B, T]
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def decoder_layer(
-    layer: Params, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
-    keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
-    *, attention: Attention | str = Attention.AUTO,
-) -> tuple[jax.Array, Packed, Packed]:
-    """One pre-norm decoder layer on the residual stream h [D, B*T]: attention, then SwiGLU.
-
-    Also the block of an MTP head (jaxspec.models.mtp), which is a layer of the trunk's kind.
-    Returns the new stream and the layer's KV buffers with the T new entries written.
-    """
-    attn_out, keys, values = _attention(layer, cfg, rms_norm(h, layer["attn_norm"], cfg.norm_eps), cos, sin,
-                                        keys, values, offsets, batch, steps, attention=attention)
-    h = h + attn_out
-    x = rms_norm(h, layer["mlp_norm"], cfg.norm_eps)
-    gate, up = layer["gate_proj"] @ x, layer["up_proj"] @ x  # [F, B*T]
-    return h + layer["down_proj"] @ (jax.nn.silu(gate) * up), keys, values
-
-
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -228,7 +126,7 @@ def forward(
     for index, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{index}"):
             h, k_buf, v_buf = decoder_layer(layer, cfg, h, cos, sin, cache.keys[index], cache.values[index],
-                                            offsets, batch, steps, attention=attention)
+                                            offsets, batch, steps, qk_norm=cfg.qk_norm, attention=attention)
         new_keys.append(k_buf)
         new_values.append(v_buf)
         if index in hidden_layers:
@@ -236,13 +134,7 @@ def forward(
 
     h = rms_norm(h, params["final_norm"], cfg.norm_eps)
     hiddens[cfg.num_layers] = h
-    h = h.reshape(cfg.dim, batch, steps)
-    if logit_indices is not None:
-        h = jnp.take_along_axis(h, logit_indices[None], axis=2)  # [D, B, P]
-    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-    positions_out = h.shape[2]
-    logits = (head @ h.reshape(cfg.dim, -1)).reshape(-1, batch, positions_out)  # [V, B, P]
-    logits = logits.transpose(1, 2, 0)  # [B, P, V]
+    logits = logits_head(output_head(params, tied=cfg.tie_embeddings), h, batch, steps, logit_indices)  # [B, P, V]
     hidden_out = tuple(hiddens[i].reshape(cfg.dim, batch, steps).transpose(1, 2, 0) for i in hidden_layers)
     cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values))
     return logits, hidden_out, cache

@@ -20,8 +20,8 @@ does for k > num_nextn_predict_layers.
 
 Params pytree (float32; weights [out, in]):
     enorm [D]; hnorm [D]; eh_proj [D, 2D]; post_norm [D]
-    block: one trunk layer (llama.py's layer dict: attn_norm, q/k/v/o_proj, [q_norm, k_norm],
-           mlp_norm, gate/up/down_proj)
+    block: one trunk layer, run by `layers.decoder_layer` (llama.py's layer dict: attn_norm,
+           q/k/v/o_proj, [q_norm, k_norm], mlp_norm, gate/up/down_proj)
 The embedding and lm_head are the target's, passed in beside these params.
 """
 
@@ -39,6 +39,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.config import config_from_hf as trunk_config_from_hf
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models import llama
+from jaxspec.models.layers import decoder_layer, logits_head, rms_norm, rope_tables
 
 Params = dict[str, Any]
 
@@ -95,15 +96,15 @@ def forward(
     batch, steps = tokens.shape
     block_cfg = cfg.block
     positions = cache.length[:, None] + 1 + jnp.arange(steps, dtype=jnp.int32)[None, :]  # token p + 1's position
-    cos, sin = llama.rope_tables(block_cfg, positions)
+    cos, sin = rope_tables(block_cfg, positions)
 
-    e = llama.rms_norm(jnp.take(embed, tokens.reshape(-1), axis=0).T, params["enorm"], block_cfg.norm_eps)
-    hidden = llama.rms_norm(h.reshape(batch * steps, cfg.dim).T, params["hnorm"], block_cfg.norm_eps)
+    e = rms_norm(jnp.take(embed, tokens.reshape(-1), axis=0).T, params["enorm"], block_cfg.norm_eps)
+    hidden = rms_norm(h.reshape(batch * steps, cfg.dim).T, params["hnorm"], block_cfg.norm_eps)
     projected = params["eh_proj"] @ jnp.concatenate([hidden, e] if cfg.hidden_first else [e, hidden], axis=0)
-    y, keys, values = llama.decoder_layer(params["block"], block_cfg, projected, cos, sin, cache.keys[0],
-                                          cache.values[0], cache.length, batch, steps)
-    out = llama.rms_norm(y, params["post_norm"], block_cfg.norm_eps)  # [D, B*T]
-    logits = (lm_head @ out).reshape(-1, batch, steps).transpose(1, 2, 0)  # [B, T, V]
+    y, keys, values = decoder_layer(params["block"], block_cfg, projected, cos, sin, cache.keys[0], cache.values[0],
+                                    cache.length, batch, steps, qk_norm=block_cfg.qk_norm)
+    out = rms_norm(y, params["post_norm"], block_cfg.norm_eps)  # [D, B*T]
+    logits = logits_head(lm_head, out, batch, steps)  # [B, T, V]
     out = out.reshape(cfg.dim, batch, steps).transpose(1, 2, 0)
     return logits, out, cache.replace(keys=(keys,), values=(values,))
 

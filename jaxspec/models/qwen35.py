@@ -1,9 +1,11 @@
 """The Qwen3.5 hybrid trunk: Gated DeltaNet linear attention + gated full attention.
 
 The text model of transformers' `models/qwen3_5` (the reference, tests-only). Most layers are
-Gated DeltaNet: a short causal conv1d over the q/k/v projections, then the gated delta rule on a
-recurrent state [B, E, X, Y] per layer, then an RMSNorm gated by silu(z). Every few layers
-(`layer_types`) is a full-attention layer with QK-norm, partial RoPE and a sigmoid output gate.
+Gated DeltaNet (`jaxspec.models.gated_deltanet`: a short causal conv1d over the q/k/v
+projections, the gated delta rule on a recurrent state [B, E, X, Y] per layer, an RMSNorm gated
+by silu(z)). Every few layers (`layer_types`) is a full-attention layer with QK-norm, partial
+RoPE and a sigmoid output gate (`jaxspec.models.layers.self_attention`). This module holds the
+config, the hybrid cache with its rollback of recurrent state, and the forward.
 
     forward(params, cfg, tokens [B, T], cache) -> (logits [B, P, V], hiddens, cache)
 
@@ -47,7 +49,7 @@ Params pytree (float32):
         LINEAR_ATTENTION: qkv_proj [C, D]; z_proj [E*Y, D]; b_proj [E, D]; a_proj [E, D];
             conv_weight [C, W]; A_log [E]; dt_bias [E]; out_norm [Y]; out_proj [D, E*Y]
 RMSNorm weights are stored as the multiplier: HF's Qwen3.5 norms are zero-centred (x * (1 + w)),
-and the loader adds the 1 once, so the forward shares `llama.rms_norm`. The gated output norm
+and the loader adds the 1 once, so the forward shares `layers.rms_norm`. The gated output norm
 (`out_norm`) is not zero-centred in HF and is stored as is.
 """
 
@@ -66,34 +68,27 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.cache import KVFormat, write_kv
-from jaxspec.config import resolve_rotary_dim
-from jaxspec.errors import CheckpointError, JaxspecError, UnsupportedModelError
-from jaxspec.models.llama import apply_rope, rms_norm
+from jaxspec.cache import KVFormat, StateRollbackError
+from jaxspec.config import RopeScaling, resolve_rotary_dim
+from jaxspec.errors import CheckpointError, UnsupportedModelError
+from jaxspec.models.gated_deltanet import (
+    DeltaRule,
+    chunk_end_state,
+    conv_windows,
+    gated_delta_net,
+    heads_first,
+)
+from jaxspec.models.layers import logits_head, output_head, rms_norm, rope_tables, self_attention, swiglu
 from jaxspec.pallas import kv_quant
-from jaxspec.pallas.flash_decode import Attention, attend, quantize_for
+from jaxspec.pallas.flash_decode import Attention
 from jaxspec.pallas.kv_quant import Packed
 
 Params = dict[str, Any]
-
-CHUNK_SIZE = 64  # the chunked form's chunk (HF's and FLA's default)
-L2NORM_EPS = 1e-6  # q/k L2 normalisation inside the delta rule (FLA's constant, not rms_norm_eps)
 
 
 class LayerType(enum.Enum):
     LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet
     FULL_ATTENTION = "full_attention"  # gated softmax attention over the KV cache
-
-
-class DeltaRule(enum.Enum):
-    """Which form of the delta rule a forward runs; None in `forward` picks by T."""
-
-    RECURRENT = "recurrent"  # step by step; records the state after every position
-    CHUNKED = "chunked"  # chunked parallel (WY/UT transform); records chunk-start states
-
-
-class StateRollbackError(JaxspecError):
-    """A hybrid cache was asked for a length whose recurrent state it no longer holds."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,6 +108,7 @@ class Qwen35Config:
     head_dim: int  # H
     rotary_dim: int  # leading dims of each head RoPE rotates (Qwen3.5: H / 4)
     rope_theta: float = 10_000_000.0
+    rope_scaling: RopeScaling | None = None  # parsed by config._rope_settings
     # Gated DeltaNet
     linear_num_key_heads: int  # J
     linear_num_value_heads: int  # E
@@ -228,7 +224,8 @@ class ChunkedSteps:
 
 @struct.dataclass
 class Qwen35Cache:
-    """KV buffers for the attention layers, a ring of committed states for the DeltaNet layers.
+    """KV buffers for the attention layers, a ring of committed states for the DeltaNet layers:
+    a `jaxspec.cache.Cache` whose max_rollback is rollback_states - 1.
 
     The state after `l` committed tokens lives in ring slot l % R; the ring holds every length
     in [oldest, length]. `pending` is what the last forward recorded, consumed by the next
@@ -280,6 +277,12 @@ class Qwen35Cache:
     def rollback_states(self) -> int:  # R
         return self.ssm[0].shape[1] if self.ssm else 1
 
+    @property
+    def max_rollback(self) -> int:
+        """Positions `set_length` can go back behind the furthest commit with no forward between
+        (the `jaxspec.cache.Cache` contract): the ring holds R states, the current one included."""
+        return self.rollback_states - 1
+
     def current_state(self, index: int) -> tuple[jax.Array, jax.Array]:
         """DeltaNet layer `index`'s (conv window [B, W-1, C], state [B, E, X, Y]) at `length`."""
         return _ring_read(self.conv[index], self.length), _ring_read(self.ssm[index], self.length)
@@ -327,17 +330,6 @@ def _ring_read(ring: jax.Array, length: jax.Array) -> jax.Array:
     return ring[jnp.arange(ring.shape[0]), length % ring.shape[1]]
 
 
-def _conv_windows(window: jax.Array, inputs: jax.Array, counts: jax.Array) -> jax.Array:
-    """The conv window after `counts` [B, M] of the new inputs: [B, M, W-1, C].
-
-    window [B, W-1, C] is the window before them, inputs [B, T, C] the new conv inputs.
-    """
-    span = window.shape[1]
-    sequence = jnp.concatenate([window, inputs], axis=1)  # [B, W-1+T, C]
-    at = counts[:, :, None] + jnp.arange(span)[None, None, :]  # [B, M, W-1]
-    return jnp.take_along_axis(sequence[:, None], at[..., None], axis=2)
-
-
 def _commit_recorded(cache: Qwen35Cache, pending: RecordedSteps, target, from_pending):
     """Write the states for lengths base+1 .. target (the last R of them) into the ring."""
     base, R = cache.length, cache.rollback_states
@@ -349,8 +341,8 @@ def _commit_recorded(cache: Qwen35Cache, pending: RecordedSteps, target, from_pe
     rows = jnp.arange(cache.batch)[:, None]
     conv, ssm = [], []
     for index, (conv_ring, ssm_ring) in enumerate(zip(cache.conv, cache.ssm)):
-        windows = _conv_windows(_ring_read(conv_ring, base), pending.conv_inputs[index],
-                                jnp.broadcast_to(offsets + 1, keep.shape))
+        windows = conv_windows(_ring_read(conv_ring, base), pending.conv_inputs[index],
+                               jnp.broadcast_to(offsets + 1, keep.shape))
         conv.append(conv_ring.at[rows, slots].set(windows, mode="drop"))
         ssm.append(ssm_ring.at[rows, slots].set(pending.states[index], mode="drop"))
     return tuple(conv), tuple(ssm)
@@ -376,11 +368,11 @@ def _commit_chunked(cache: Qwen35Cache, pending: ChunkedSteps, target, from_pend
             start = jnp.where((chunk > 0)[:, None, None, None], later, start)
         decay = jnp.where(within[..., None], gather(pending.decay[index]), 0.0)
         beta = jnp.where(within[..., None], gather(pending.beta[index]), 0.0)
-        state = _chunk_end_state(start, _heads_first(gather(pending.keys[index])),
-                                 _heads_first(gather(pending.values[index])),
-                                 decay.transpose(0, 2, 1), beta.transpose(0, 2, 1))
-        window = _conv_windows(_ring_read(conv_ring, base), pending.conv_inputs[index],
-                               (target - base)[:, None])[:, 0]
+        state = chunk_end_state(start, heads_first(gather(pending.keys[index])),
+                                heads_first(gather(pending.values[index])),
+                                decay.transpose(0, 2, 1), beta.transpose(0, 2, 1))
+        window = conv_windows(_ring_read(conv_ring, base), pending.conv_inputs[index],
+                              (target - base)[:, None])[:, 0]
         conv.append(conv_ring.at[rows, slots].set(window, mode="drop"))
         ssm.append(ssm_ring.at[rows, slots].set(state, mode="drop"))
     return tuple(conv), tuple(ssm)
@@ -420,213 +412,8 @@ def _check_restorable(ok, target, length, oldest, steps: int, history: int, *, o
 
 
 # ----------------------------------------------------------------------------------------------
-# The delta rule: recurrent and chunked forms
+# The forward
 # ----------------------------------------------------------------------------------------------
-
-
-def _heads_first(x: jax.Array) -> jax.Array:  # [B, T, E, ...] -> [B, E, T, ...]
-    return jnp.swapaxes(x, 1, 2)
-
-
-def recurrent_delta_rule(query, key, value, decay, beta, state):
-    """The gated delta rule step by step, recording the state after every position.
-
-    query, key [B, T, E, X] (normalised, query scaled); value [B, T, E, Y]; decay, beta [B, T, E];
-    state [B, E, X, Y]. Per position: S <- S * exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q.
-    Returns outputs [B, T, E, Y] and the states [B, T, E, X, Y].
-    """
-    def step(state, inputs):
-        q, k, v, g, b = inputs
-        state = state * jnp.exp(g)[..., None, None]
-        memory = jnp.einsum("BEXY,BEX->BEY", state, k)  # what the state already predicts for k
-        delta = (v - memory) * b[..., None]
-        state = state + k[..., :, None] * delta[..., None, :]
-        return state, (jnp.einsum("BEXY,BEX->BEY", state, q), state)
-
-    if key.shape[1] <= 2:  # decode and the draft's catch-up: a loop would only add overhead
-        outs, states = [], []
-        for t in range(key.shape[1]):
-            state, (out, _) = step(state, (query[:, t], key[:, t], value[:, t], decay[:, t], beta[:, t]))
-            outs.append(out)
-            states.append(state)
-        return jnp.stack(outs, axis=1), jnp.stack(states, axis=1)
-    time_major = [jnp.swapaxes(x, 0, 1) for x in (query, key, value, decay, beta)]
-    # A scan, not an unrolled loop: unrolling 16 steps costs seconds of XLA compile per layer.
-    _, (outs, states) = jax.lax.scan(step, state, time_major)
-    return jnp.swapaxes(outs, 0, 1), jnp.swapaxes(states, 0, 1)
-
-
-def _chunk_terms(key, decay, beta):
-    """Within-chunk quantities. key [B, E, c, X]; decay, beta [B, E, c].
-
-    Returns the cumulative log decay G [B, E, c], the pairwise decays exp(G_i - G_j) for j <= i
-    (0 above the diagonal) [B, E, c, c], and the strictly lower part A of the UT system I + A,
-    A_ij = beta_i (k_i . k_j) exp(G_i - G_j) for j < i.
-    """
-    size = key.shape[2]
-    cumulative = jnp.cumsum(decay, axis=-1)
-    causal = jnp.tril(jnp.ones((size, size), bool))
-    difference = cumulative[..., :, None] - cumulative[..., None, :]
-    pairwise = jnp.where(causal, jnp.exp(jnp.where(causal, difference, 0.0)), 0.0)
-    lower = jnp.einsum("BEiX,BEjX->BEij", key * beta[..., None], key) * pairwise
-    lower = jnp.where(jnp.tril(jnp.ones((size, size), bool), -1), lower, 0.0)
-    return cumulative, pairwise, lower
-
-
-def unit_lower_inverse(lower: jax.Array) -> jax.Array:
-    """(I + A)^-1 for a strictly lower triangular A [..., c, c], by doubling.
-
-    N = -A is nilpotent (N^c = 0), so (I - N)^-1 = I + N + ... + N^(c-1)
-    = (I + N)(I + N^2)(I + N^4)...: 2 log2(c) matmuls. The same numbers as a triangular solve
-    (tested), but a handful of dots for XLA: a triangular solve inside the chunk scan cost seconds
-    of CPU compile per layer.
-    """
-    size = lower.shape[-1]
-    eye = jnp.eye(size, dtype=lower.dtype)
-    power = -lower
-    inverse = eye + power
-    for _ in range(max(size - 1, 1).bit_length() - 1):
-        power = power @ power
-        inverse = inverse + inverse @ power
-    return inverse
-
-
-def _chunk_step(state, query, key, value, decay, beta):
-    """One chunk of the chunked form: (outputs [B, E, c, Y] or None, state after the chunk).
-
-    The UT transform turns the chunk's c sequential rank-one updates into matmuls with
-    T = (I + A)^-1: u = T (beta v) and w = T (beta k e^G); the new values the state has not yet
-    predicted are u - w S, and S' = S e^{G_c} + (k e^{G_c - G})^T (u - w S).
-    """
-    cumulative, pairwise, lower = _chunk_terms(key, decay, beta)
-    transform = unit_lower_inverse(lower)
-    new_values = transform @ (value * beta[..., None])
-    key_cumdecay = transform @ (key * (beta * jnp.exp(cumulative))[..., None])
-    corrected = new_values - jnp.einsum("BEcX,BEXY->BEcY", key_cumdecay, state)
-    total = cumulative[..., -1:]  # [B, E, 1]
-    out = None
-    if query is not None:
-        attention = jnp.einsum("BEiX,BEjX->BEij", query, key) * pairwise
-        out = (jnp.einsum("BEcX,BEXY->BEcY", query * jnp.exp(cumulative)[..., None], state)
-               + jnp.einsum("BEij,BEjY->BEiY", attention, corrected))
-    state = (state * jnp.exp(total)[..., None]
-             + jnp.einsum("BEcX,BEcY->BEXY", key * jnp.exp(total - cumulative)[..., None], corrected))
-    return out, state
-
-
-def _chunk_end_state(state, key, value, decay, beta):
-    """The state after one chunk (heads-first inputs, as `_chunk_step`)."""
-    return _chunk_step(state, None, key, value, decay, beta)[1]
-
-
-def chunked_delta_rule(query, key, value, decay, beta, state, chunk_size: int = CHUNK_SIZE):
-    """The gated delta rule in chunks of `chunk_size` (same inputs as `recurrent_delta_rule`).
-
-    T is padded to whole chunks with identity updates (decay 0, beta 0). Returns outputs
-    [B, T, E, Y], the state at each chunk start [B, T'/c, E, X, Y] and the final state.
-    """
-    batch, steps, heads = key.shape[:3]
-    size = min(chunk_size, steps)
-    pad = -steps % size
-    padded = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (query, key, value, decay, beta)]
-    chunks = (steps + pad) // size
-
-    def by_chunk(x):  # [B, T', E, ...] -> [n, B, E, c, ...]
-        x = x.reshape(batch, chunks, size, *x.shape[2:])
-        return jnp.moveaxis(jnp.swapaxes(x, 2, 3), 1, 0)
-
-    def scan_chunk(state, inputs):
-        out, next_state = _chunk_step(state, *inputs)
-        return next_state, (out, state)
-
-    final, (outs, starts) = jax.lax.scan(scan_chunk, state, [by_chunk(x) for x in padded])
-    outs = jnp.moveaxis(outs, 0, 1).swapaxes(2, 3).reshape(batch, chunks * size, heads, -1)[:, :steps]
-    return outs, jnp.moveaxis(starts, 0, 1), final
-
-
-# ----------------------------------------------------------------------------------------------
-# Layers
-# ----------------------------------------------------------------------------------------------
-
-
-def _l2_normalise(x: jax.Array) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
-
-
-def _delta_net(layer: Params, cfg: Qwen35Config, h: jax.Array, conv_window: jax.Array, state: jax.Array,
-               batch: int, steps: int, rule: DeltaRule):
-    """A Gated DeltaNet layer over T new tokens per row. h: [D, B*T] (normed).
-
-    conv_window [B, W-1, C] and state [B, E, X, Y] are the committed ones at each row's length.
-    Returns the output [D, B*T] and what the commit needs (conv inputs, recorded states).
-    """
-    J, E, X, Y = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = (layer["qkv_proj"] @ h).reshape(cfg.conv_dim, batch, steps).transpose(1, 2, 0)  # [B, T, C]
-
-    # Depthwise causal conv over [window, new inputs]: out[t] = sum_w weight[:, w] * seq[t + w].
-    kernel = cfg.linear_conv_kernel
-    sequence = jnp.concatenate([conv_window, mixed], axis=1)  # [B, W-1+T, C]
-    conv = sum(layer["conv_weight"][:, w] * sequence[:, w: w + steps] for w in range(kernel))
-    conv = jax.nn.silu(conv)
-    query = conv[..., : cfg.key_dim].reshape(batch, steps, J, X)
-    key = conv[..., cfg.key_dim: 2 * cfg.key_dim].reshape(batch, steps, J, X)
-    value = conv[..., 2 * cfg.key_dim:].reshape(batch, steps, E, Y)
-    # Each key head serves E / J consecutive value heads.
-    query = jnp.repeat(_l2_normalise(query) * (X ** -0.5), E // J, axis=2)
-    key = jnp.repeat(_l2_normalise(key), E // J, axis=2)
-
-    def per_head(projection):  # [E, B*T] -> [B, T, E]
-        return projection.reshape(E, batch, steps).transpose(1, 2, 0)
-
-    beta = jax.nn.sigmoid(per_head(layer["b_proj"] @ h))
-    decay = -jnp.exp(layer["A_log"]) * jax.nn.softplus(per_head(layer["a_proj"] @ h) + layer["dt_bias"])
-
-    if rule is DeltaRule.RECURRENT:
-        out, states = recurrent_delta_rule(query, key, value, decay, beta, state)
-        pending = dict(conv_inputs=mixed, states=states)
-    else:
-        out, chunk_states, _ = chunked_delta_rule(query, key, value, decay, beta, state)
-        size = min(CHUNK_SIZE, steps)
-        pad = [(0, 0), (0, -steps % size)]
-        pending = dict(conv_inputs=mixed, chunk_states=chunk_states[:, 1:],
-                       keys=jnp.pad(key, pad + [(0, 0)] * 2), values=jnp.pad(value, pad + [(0, 0)] * 2),
-                       decay=jnp.pad(decay, pad + [(0, 0)]), beta=jnp.pad(beta, pad + [(0, 0)]))
-
-    # Gated RMSNorm per value head: norm(out) * weight * silu(z).
-    z = (layer["z_proj"] @ h).reshape(E, Y, batch, steps).transpose(2, 3, 0, 1)  # [B, T, E, Y]
-    out = rms_norm(out, layer["out_norm"], cfg.norm_eps, axis=-1) * jax.nn.silu(z)
-    out = out.reshape(batch * steps, E * Y).T  # [E*Y, B*T]
-    return layer["out_proj"] @ out, pending
-
-
-def _gated_attention(layer: Params, cfg: Qwen35Config, h: jax.Array, cos: jax.Array, sin: jax.Array,
-                     keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
-                     attention: Attention | str):
-    """Gated self-attention of T new tokens per row over that row's cache. h: [D, B*T] (normed)."""
-    N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-    query_gate = (layer["q_proj"] @ h).reshape(N, 2, H, batch, steps)
-    q, gate = query_gate[:, 0], query_gate[:, 1]  # [N, H, B, T] each
-    k = (layer["k_proj"] @ h).reshape(K, H, batch, steps)
-    v = (layer["v_proj"] @ h).reshape(K, H, batch, steps)
-    q = apply_rope(rms_norm(q, layer["q_norm"], cfg.norm_eps, axis=1), cos, sin, cfg.rotary_dim)
-    k = apply_rope(rms_norm(k, layer["k_norm"], cfg.norm_eps, axis=1), cos, sin, cfg.rotary_dim)
-
-    # As llama.py: written at each row's offset (quantized on the way in for a block format), then
-    # read back through the one attention dispatch (Pallas kernel or XLA reference).
-    quantize = quantize_for(attention, H, keys.shape[2])
-    keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
-    values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
-    q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 4, 0, 1, 2))  # [B, T, K, G, H]
-    out = attend(q, keys, values, offsets, attention=attention)  # [B, T, K, G, H]
-    out = jnp.transpose(out, (2, 3, 4, 0, 1)).reshape(N * H, batch * steps)  # [N*H, B*T]
-    out = out * jax.nn.sigmoid(gate.reshape(N * H, batch * steps))  # the output gate, per head dim
-    return layer["o_proj"] @ out, keys, values
-
-
-def rope_inv_freq(cfg: Qwen35Config) -> np.ndarray:
-    """Inverse frequencies [R/2] for the rotated width R = cfg.rotary_dim."""
-    exponents = np.arange(0, cfg.rotary_dim, 2, dtype=np.float64) / cfg.rotary_dim
-    return (1.0 / (cfg.rope_theta ** exponents)).astype(np.float32)
 
 
 def _check_params(params: Params, cfg: Qwen35Config) -> None:
@@ -671,8 +458,7 @@ def forward(
     offsets = cache.length
     if positions is None:
         positions = offsets[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
-    angles = rope_inv_freq(cfg)[:, None, None] * positions[None].astype(jnp.float32)  # [R/2, B, T]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = rope_tables(cfg, positions)  # [R/2, B, T]
 
     h = jnp.take(params["embed"], tokens.reshape(-1), axis=0).T  # [D, B*T]
     new_keys, new_values, hiddens = [], [], {-1: h}
@@ -682,26 +468,22 @@ def forward(
             x = rms_norm(h, layer["attn_norm"], cfg.norm_eps)
             if kind is LayerType.FULL_ATTENTION:
                 slot = len(new_keys)
-                mixed, k_buf, v_buf = _gated_attention(layer, cfg, x, cos, sin, cache.keys[slot],
-                                                       cache.values[slot], offsets, batch, steps, attention)
+                mixed, k_buf, v_buf = self_attention(layer, cfg, x, cos, sin, cache.keys[slot], cache.values[slot],
+                                                     offsets, batch, steps, qk_norm=True, output_gate=True,
+                                                     attention=attention)
                 new_keys.append(k_buf)
                 new_values.append(v_buf)
             else:
                 conv_window, state = cache.current_state(len(recorded))
-                mixed, pending = _delta_net(layer, cfg, x, conv_window, state, batch, steps, delta_rule)
+                mixed, pending = gated_delta_net(layer, cfg, x, conv_window, state, batch, steps, delta_rule)
                 recorded.append(pending)
             h = h + mixed
-            x = rms_norm(h, layer["mlp_norm"], cfg.norm_eps)
-            h = h + layer["down_proj"] @ (jax.nn.silu(layer["gate_proj"] @ x) * (layer["up_proj"] @ x))
+            h = h + swiglu(layer, rms_norm(h, layer["mlp_norm"], cfg.norm_eps))
         hiddens[index] = h
 
     h = rms_norm(h, params["final_norm"], cfg.norm_eps)
     hiddens[cfg.num_layers] = h  # the final-normed stream (llama.py's convention)
-    h = h.reshape(cfg.dim, batch, steps)
-    if logit_indices is not None:
-        h = jnp.take_along_axis(h, logit_indices[None], axis=2)  # [D, B, P]
-    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-    logits = (head @ h.reshape(cfg.dim, -1)).reshape(-1, batch, h.shape[2]).transpose(1, 2, 0)  # [B, P, V]
+    logits = logits_head(output_head(params, tied=cfg.tie_embeddings), h, batch, steps, logit_indices)  # [B, P, V]
     hidden_out = tuple(hiddens[i].reshape(cfg.dim, batch, steps).transpose(1, 2, 0) for i in hidden_layers)
 
     pending = None

@@ -1,0 +1,250 @@
+"""The building blocks every trunk and draft head is made of, as pure functions.
+
+Contract: one implementation each of RMSNorm, RoPE (every scaling `jaxspec.config.RopeScaling`
+names), self-attention over the KV cache (optional q/k/v bias, QK-norm and sigmoid output gate),
+the SwiGLU MLP and the logits head. The Llama-family trunk, the Qwen3.5 hybrid's attention layers,
+EAGLE-3 and MTP heads all call these, so a fix or a new scaling lands everywhere at once.
+
+Layout (see llama.py for why): weights are `[out, in]` as HF and GGUF store them; activations are
+feature-major, `[D, B*T]` through the projections and `[heads, H, B, T]` per head, so every
+projection is `W @ h`. Dimension letters follow STYLE.md; R is the rotated width (rotary_dim).
+
+The configs these take are duck-typed: anything with the attributes a function reads (ModelConfig,
+Qwen35Config, an EAGLE-3 head's attention config) works, and being frozen they stay static under jit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import write_kv
+from jaxspec.config import RopeScaling, RopeType
+from jaxspec.errors import UnsupportedModelError
+from jaxspec.pallas.flash_decode import Attention, attend, quantize_for
+from jaxspec.pallas.kv_quant import Packed
+
+Params = dict[str, Any]
+
+
+class RopeConfig(Protocol):
+    rope_theta: float
+    rotary_dim: int  # R: leading dims of each head that RoPE rotates
+    rope_scaling: RopeScaling | None
+
+
+class AttentionConfig(RopeConfig, Protocol):
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    norm_eps: float
+
+    @property
+    def group_size(self) -> int: ...  # G = N / K
+
+
+# ----------------------------------------------------------------------------------------------
+# Normalisation
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0) -> jax.Array:
+    """RMSNorm over `axis` (the feature axis: 0 for [D, B*T], 1 for [heads, H, B, T], -1 for
+    [..., Y]): x / sqrt(mean(x^2) + eps) * weight."""
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    variance = jnp.mean(jnp.square(x), axis=axis, keepdims=True)
+    return x * jax.lax.rsqrt(variance + eps) * weight.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+# ----------------------------------------------------------------------------------------------
+
+
+def _yarn_inv_freq(base_inv_freq: np.ndarray, rotary_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """YaRN's NTK-by-parts: dims that turn more than beta_fast times over the original context
+    keep their frequency (extrapolate), fewer than beta_slow are divided by `factor`
+    (interpolate), with a linear ramp over the dims between."""
+    def correction_dim(rotations: float) -> float:
+        # the dim whose wavelength fits `rotations` times in the original context
+        return rotary_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolated = 1.0 - ramp  # 1: keep the frequency, 0: interpolate it
+    return base_inv_freq / scaling.factor * (1.0 - extrapolated) + base_inv_freq * extrapolated
+
+
+def _llama3_inv_freq(base_inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
+    """Llama 3.1: wavelengths past the original context / low_freq_factor are divided by
+    `factor`, those under it / high_freq_factor kept, a smooth ramp between."""
+    original = scaling.original_max_position_embeddings
+    low_wavelen = original / scaling.low_freq_factor
+    high_wavelen = original / scaling.high_freq_factor
+    wavelen = 2 * math.pi / base_inv_freq
+    inv_freq = np.where(wavelen > low_wavelen, base_inv_freq / scaling.factor, base_inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    ramped = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return np.where(is_medium, ramped, inv_freq)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """Inverse frequencies float32[R/2] for the rotated width R, scaled as `scaling` says.
+
+    Computed in float64 on the host (they are constants of the config) and rounded once.
+    """
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    inv_freq = 1.0 / (theta**exponents)
+    kind = None if scaling is None else scaling.rope_type
+    if kind is RopeType.LINEAR:
+        inv_freq = inv_freq / scaling.factor
+    elif kind is RopeType.LLAMA3:
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif kind is RopeType.YARN:
+        inv_freq = _yarn_inv_freq(inv_freq, rotary_dim, theta, scaling)
+    elif kind is RopeType.LONGROPE:
+        if len(scaling.short_factor) != rotary_dim // 2:
+            raise UnsupportedModelError(f"longrope short_factor has {len(scaling.short_factor)} entries; "
+                             f"rotary_dim={rotary_dim} needs {rotary_dim // 2}")
+        inv_freq = inv_freq / np.asarray(scaling.short_factor, np.float64)
+    # DEFAULT and DYNAMIC (within max_position_embeddings, see RopeType) keep the base frequencies.
+    return inv_freq.astype(np.float32)
+
+
+def rope_tables(cfg: RopeConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [R/2, B, T] for int32[B, T] positions, times the scaling's attention scale."""
+    inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+    angles = inv_freq[:, None, None] * positions[None].astype(jnp.float32)  # [R/2, B, T]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    scale = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.attention_scale
+    if scale != 1.0:  # yarn / longrope: transformers scales cos and sin (so q.k by scale^2)
+        cos, sin = cos * scale, sin * scale
+    return cos, sin
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int) -> jax.Array:
+    """Rotate-half RoPE on the leading `rotary_dim` of the head axis; the rest passes through.
+
+    x: [heads, H, B, T] (feature-major); cos, sin: [R/2, B, T]. Dim i < R/2 pairs with i + R/2.
+    """
+    half = rotary_dim // 2
+    x1, x2, rest = x[:, :half], x[:, half:rotary_dim], x[:, rotary_dim:]
+    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    return jnp.concatenate(rotated + ([rest] if rest.shape[1] else []), axis=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention, MLP, logits
+# ----------------------------------------------------------------------------------------------
+
+
+def project(w: jax.Array, h: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """[out, in] @ [in, B*T] -> [out, B*T], plus an optional bias [out]."""
+    out = w @ h
+    return out if bias is None else out + bias[:, None]
+
+
+def self_attention(
+    layer: Params, cfg: AttentionConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
+    keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
+    *, qk_norm: bool = False, output_gate: bool = False, attention: Attention | str = Attention.AUTO,
+) -> tuple[jax.Array, Packed, Packed]:
+    """Self-attention of T new tokens per row over that row's cache. h: [D, B*T] (normed).
+
+    layer: q_proj [N*H, D] ([N*2H, D] with `output_gate`: per head H query rows then H gate
+    rows, as Qwen3.5 fuses them); k_proj, v_proj [K*H, D]; o_proj [D, N*H]; optional q_bias,
+    k_bias, v_bias; q_norm, k_norm [H] with `qk_norm` (RMSNorm per head before RoPE).
+    With `output_gate` the attention output is multiplied by sigmoid(gate) before o_proj.
+    keys/values are the layer's buffers [B, K, S, H] in the cache's format; `attention` picks
+    the Pallas kernel or the XLA reference (jaxspec.pallas.flash_decode.Attention).
+    Returns the output [D, B*T] and the buffers with the T new entries written at `offsets`.
+    """
+    N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+    q = project(layer["q_proj"], h, layer.get("q_bias"))
+    gate = None
+    if output_gate:
+        query_gate = q.reshape(N, 2, H, batch, steps)
+        q, gate = query_gate[:, 0], query_gate[:, 1]  # [N, H, B, T] each
+    q = q.reshape(N, H, batch, steps)
+    k = project(layer["k_proj"], h, layer.get("k_bias")).reshape(K, H, batch, steps)
+    v = project(layer["v_proj"], h, layer.get("v_bias")).reshape(K, H, batch, steps)
+    if qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.norm_eps, axis=1)
+        k = rms_norm(k, layer["k_norm"], cfg.norm_eps, axis=1)
+    q = apply_rope(q, cos, sin, cfg.rotary_dim)
+    k = apply_rope(k, cos, sin, cfg.rotary_dim)
+
+    # The new keys/values land at each row's own offset (quantized on the way in for a block
+    # format); attention then reads them back from the cache like every other slot, so a T = 1
+    # and a T = k+1 forward see the same stored values.
+    quantize = quantize_for(attention, H, keys.shape[2])
+    keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
+    values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
+
+    # Queries as [B, T, K, G, H] (GQA: query head k*G + g reads kv head k).
+    q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 4, 0, 1, 2))
+    out = attend(q, keys, values, offsets, attention=attention)  # [B, T, K, G, H]
+    out = jnp.transpose(out, (2, 3, 4, 0, 1)).reshape(N * H, batch * steps)  # [N*H, B*T]
+    if gate is not None:
+        out = out * jax.nn.sigmoid(gate.reshape(N * H, batch * steps))  # per head dim
+    return layer["o_proj"] @ out, keys, values
+
+
+def swiglu(layer: Params, x: jax.Array) -> jax.Array:
+    """The gated MLP down(silu(gate(x)) * up(x)): x [D, B*T] (normed) -> [D, B*T].
+
+    layer: gate_proj, up_proj [F, D]; down_proj [D, F]."""
+    gate, up = layer["gate_proj"] @ x, layer["up_proj"] @ x  # [F, B*T]
+    return layer["down_proj"] @ (jax.nn.silu(gate) * up)
+
+
+def output_head(params: Params, *, tied: bool) -> jax.Array:
+    """A trunk's output projection [V, D]: the token embedding when the embeddings are tied,
+    else its own lm_head."""
+    return params["embed"] if tied else params["lm_head"]
+
+
+def logits_head(head: jax.Array, h: jax.Array, batch: int, steps: int,
+                logit_indices: jax.Array | None = None) -> jax.Array:
+    """Logits float32[B, P, V] from the final-normed stream h [D, B*T].
+
+    head [V, D]: an lm_head, or the embedding when tied (`output_head`); a draft head passes its
+    own. logit_indices int32[B, P] picks which of each row's T positions get logits (prefill
+    needs one per row); default all T (P = T).
+    """
+    dim = h.shape[0]
+    h = h.reshape(dim, batch, steps)
+    if logit_indices is not None:
+        h = jnp.take_along_axis(h, logit_indices[None], axis=2)  # [D, B, P]
+    positions_out = h.shape[2]
+    logits = (head @ h.reshape(dim, -1)).reshape(-1, batch, positions_out)  # [V, B, P]
+    return logits.transpose(1, 2, 0)
+
+
+def decoder_layer(
+    layer: Params, cfg: AttentionConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
+    keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
+    *, qk_norm: bool = False, attention: Attention | str = Attention.AUTO,
+) -> tuple[jax.Array, Packed, Packed]:
+    """One pre-norm decoder layer on the residual stream h [D, B*T]: attention, then SwiGLU.
+
+    layer: attn_norm [D], the attention weights (`self_attention`), mlp_norm [D], the MLP
+    weights (`swiglu`). Returns the new stream and the layer's KV buffers with T entries written.
+    """
+    attn_out, keys, values = self_attention(layer, cfg, rms_norm(h, layer["attn_norm"], cfg.norm_eps), cos, sin,
+                                            keys, values, offsets, batch, steps, qk_norm=qk_norm,
+                                            attention=attention)
+    h = h + attn_out
+    return h + swiglu(layer, rms_norm(h, layer["mlp_norm"], cfg.norm_eps)), keys, values
