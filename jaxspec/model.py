@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxspec.errors import InvalidRequestError
+from jaxspec.models import layers
 from jaxspec.tokenizer import Tokenizer
 
 
@@ -31,9 +32,9 @@ class Model:
 def layer_skip(model: Model, exit_layer: int) -> Model:
     """Self-speculation draft: the target's first `exit_layer` layers, then its final norm and
     head (LayerSkip; HF's `assistant_early_exit`). Shares the target's weight arrays."""
-    layers = model.config.num_layers
-    if not isinstance(exit_layer, (int, np.integer)) or not 1 <= exit_layer < layers:
-        raise InvalidRequestError(f"exit_layer must be an integer in [1, {layers}); got {exit_layer!r}")
+    num_layers = model.config.num_layers
+    if not isinstance(exit_layer, (int, np.integer)) or not 1 <= exit_layer < num_layers:
+        raise InvalidRequestError(f"exit_layer must be an integer in [1, {num_layers}); got {exit_layer!r}")
     params = {name: value for name, value in model.params.items() if name != "layers"}
     params["layers"] = list(model.params["layers"][:exit_layer])
     config = dataclasses.replace(model.config, num_layers=int(exit_layer))
@@ -43,4 +44,4 @@ def layer_skip(model: Model, exit_layer: int) -> Model:
 
 def lm_head_of(model: Model) -> jax.Array:
     """The target's output projection [V, D]: its embedding when tied. An MTP head speaks through it."""
-    return model.params["embed"] if model.config.tie_embeddings else model.params["lm_head"]
+    return layers.output_head(model.params, tied=model.config.tie_embeddings)

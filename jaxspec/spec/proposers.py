@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import models
-from jaxspec.models import eagle3, mtp
+from jaxspec.models import eagle3, layers, mtp
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution
@@ -366,7 +366,7 @@ class Mtp(_FeatureHead):
         return self.config.vocab_size
 
     def draft_inputs(self, target_params, draft_model_params):
-        lm_head = target_params["embed"] if self.target_tied_embeddings else target_params["lm_head"]
+        lm_head = layers.output_head(target_params, tied=self.target_tied_embeddings)
         return {"head": draft_model_params, "embed": target_params["embed"], "lm_head": lm_head}
 
     def _encode(self, draft_params, hiddens):
