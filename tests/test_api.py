@@ -125,10 +125,11 @@ def hybrid():
     return jaxspec.Model(config=HYBRID, params=qwen35.init_params(HYBRID, jax.random.PRNGKey(0), 0.25))
 
 
-@pytest.mark.parametrize("kv_format, method, k", [("q8_0", "layer_skip", 12), ("bf16", "ngram", 4)])
-def test_hybrid_speculation_equals_plain_under_the_same_kv_format(hybrid, kv_format, method, k):
+@pytest.mark.parametrize("kv_format, attention, method, k",
+                         [("q8_0", "auto", "layer_skip", 12), ("bf16", "reference", "ngram", 4)])
+def test_hybrid_speculation_equals_plain_under_the_same_kv_format(hybrid, kv_format, attention, method, k):
     assert HYBRID.rollback_states < k + 2 or method != "layer_skip"
-    kwargs = dict(max_new_tokens=24, ignore_eos=True, kv_format=kv_format)
+    kwargs = dict(max_new_tokens=24, ignore_eos=True, kv_format=kv_format, attention=attention)
     plain = jaxspec.generate(hybrid, None, HYBRID_PROMPTS, **kwargs)
     spec = jaxspec.generate(hybrid, None, HYBRID_PROMPTS, method=method, num_draft_tokens=k, **kwargs)
     assert spec.tokens == plain.tokens
