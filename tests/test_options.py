@@ -2,7 +2,6 @@
 every setting checked when the options are made, before any model is touched."""
 
 import dataclasses
-import inspect
 
 import pytest
 
@@ -37,11 +36,11 @@ def test_the_cli_takes_its_defaults_from_the_options():
     assert defaults["attention"] == options.attention.value
 
 
-def test_generate_and_stream_take_every_option_by_keyword():
-    for function in (jaxspec.generate, jaxspec.stream):
-        kinds = {p.kind for p in inspect.signature(function).parameters.values()}
-        assert inspect.Parameter.VAR_KEYWORD in kinds
-    assert {f.name for f in dataclasses.fields(GenerateOptions)} >= {"method", "max_new_tokens", "kv_format"}
+def test_every_option_is_a_keyword(tiny_model):
+    """generate and stream hand their keywords to `prepare`, which builds the options from them."""
+    every = {field.name: getattr(GenerateOptions(), field.name) for field in dataclasses.fields(GenerateOptions)}
+    assert jaxspec.prepare(tiny_model, [1, 2], **every).options == GenerateOptions()
+    assert jaxspec.prepare(tiny_model, [1, 2], **{**every, "max_new_tokens": 7}).options.max_new_tokens == 7
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Speculative greedy decoding is exact: every proposer, several k, ragged batches, stops.
 
 Small random models (compiles stay cheap); the reference is the plain loop (k = 0), itself
-checked against full recomputation in test_generate.py.
+checked against full recomputation in test_loop.py.
 """
 
 from __future__ import annotations
