@@ -10,12 +10,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxspec
 from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig
 from jaxspec.models import llama
 from tests.conftest import TINY, assert_same_greedy
 
