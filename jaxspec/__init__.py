@@ -5,12 +5,16 @@
     print(result.text[0], result.stats.decode_tokens_per_second)
 """
 
-from jaxspec.api import DEFAULT_MODEL, GenerateResult, Model, SpecStats, Stream, generate, layer_skip, load, load_mtp, stream
+from jaxspec.api import (DEFAULT_MODEL, GenerateResult, Model, SpecStats, Stream, generate, layer_skip, load, load_mtp,
+                         prepare, stream)
+from jaxspec.compilation import set_compile_notices
 from jaxspec.config import Architecture, ModelConfig
 from jaxspec.errors import CheckpointError, InvalidRequestError, JaxspecError, UnsupportedModelError
+from jaxspec.options import GenerateOptions
+from jaxspec.spec.methods import Method
 
 __all__ = [
-    "DEFAULT_MODEL", "Architecture", "CheckpointError", "GenerateResult", "InvalidRequestError",
-    "JaxspecError", "Model", "ModelConfig", "SpecStats", "Stream", "UnsupportedModelError",
-    "generate", "layer_skip", "load", "load_mtp", "stream",
+    "DEFAULT_MODEL", "Architecture", "CheckpointError", "GenerateOptions", "GenerateResult", "InvalidRequestError",
+    "JaxspecError", "Method", "Model", "ModelConfig", "SpecStats", "Stream", "UnsupportedModelError",
+    "generate", "layer_skip", "load", "load_mtp", "prepare", "set_compile_notices", "stream",
 ]

@@ -1,44 +1,42 @@
 """The public API: `load`, `generate`, `stream`, and what they return.
 
-Everything a request can get wrong is checked here, on the host, before anything is traced: a
-bad prompt, token ids out of range, lengths past the context, sampling parameters out of range.
+Everything a request can get wrong is checked on the host before anything is traced:
+`GenerateOptions` checks the settings on their own, `prepare` checks them against the model
+(prompt, token ids, lengths against the context, the draft against the target). Running a
+prepared request is two jitted calls, prefill then the decode loop, each timed on the host;
+compile time is measured apart (`jaxspec.compilation`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import checkpoints
-from jaxspec.cache import KVFormat
-from jaxspec.config import ModelConfig
-from jaxspec.pallas.flash_decode import Attention, resolve_attention
+from jaxspec import checkpoints, compilation
 from jaxspec.errors import InvalidRequestError
-from jaxspec.sampling import SamplingParams, spec_for
-from jaxspec.models import eagle3, mtp
-from jaxspec.spec import loop, proposers
+from jaxspec.model import Model, layer_skip, lm_head_of
+from jaxspec.options import GenerateOptions
+from jaxspec.sampling import SamplingParams
+from jaxspec.spec import loop
+from jaxspec.spec.methods import Method, Speculation, build
 from jaxspec.tokenizer import Tokenizer
 
+__all__ = ["DEFAULT_MODEL", "GenerateOptions", "GenerateResult", "Method", "Model", "Prepared", "SpecStats",
+           "Stream", "generate", "layer_skip", "lm_head_of", "load", "load_mtp", "prepare", "stream"]
+
 DEFAULT_MODEL = "smollm2-135m"
+# Lengths are bucketed so nearby values share one compiled program: prompts to a power of two
+# (at least 16), max_new_tokens to a power of two of at least 128 (so 1..128 new tokens is one
+# program; decode attention reads every slot, so the buckets stay powers of two, not one size).
 MIN_PROMPT_BUCKET = 16
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Model:
-    """What `load` returns and `generate` takes: config (static), params (arrays), tokenizer."""
-
-    config: ModelConfig
-    params: Any  # the trunk's params pytree (see jaxspec.models.llama)
-    tokenizer: Tokenizer | None = None
-    source: str | None = None
+MIN_NEW_TOKENS_BUCKET = 128
+MIN_STOP_IDS_BUCKET = 8  # stop token ids (EOS included) travel as a padded array
 
 
 def load(name_or_path: str = DEFAULT_MODEL, *, use_cache: bool = True, progress: bool = False) -> Model:
@@ -87,7 +85,7 @@ class SpecStats:
     """Where the time went and how speculation did. Decode figures exclude prefill; compile
     time is reported apart. With no proposer, rounds are plain decode steps (tau = 1)."""
 
-    method: str  # one of METHODS
+    method: str  # a Method value: "plain", "ngram", "draft", "layer_skip", "eagle3" or "mtp"
     num_draft_tokens: int  # k
     rows: int
     prompt_tokens: int
@@ -129,23 +127,6 @@ class GenerateResult:
     stats: SpecStats
 
 
-def layer_skip(model: Model, exit_layer: int) -> Model:
-    """Self-speculation draft: the target's first `exit_layer` layers, then its final norm and
-    head (LayerSkip; HF's `assistant_early_exit`). Shares the target's weight arrays."""
-    layers = model.config.num_layers
-    if not isinstance(exit_layer, (int, np.integer)) or not 1 <= exit_layer < layers:
-        raise InvalidRequestError(f"exit_layer must be an integer in [1, {layers}); got {exit_layer!r}")
-    params = {name: value for name, value in model.params.items() if name != "layers"}
-    params["layers"] = list(model.params["layers"][:exit_layer])
-    config = dataclasses.replace(model.config, num_layers=int(exit_layer))
-    return Model(config=config, params=params, tokenizer=model.tokenizer,
-                 source=f"layer_skip({model.source}, exit_layer={exit_layer})")
-
-
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
-
-
 def _as_batch(prompt, model: Model, chat: bool) -> list[list[int]]:
     """Normalise a prompt (str, list of str, ids, batch of ids) to a list of id lists."""
     if isinstance(prompt, np.ndarray):
@@ -178,203 +159,91 @@ def _as_batch(prompt, model: Model, chat: bool) -> list[list[int]]:
     return rows
 
 
-def _check_sampling(temperature, top_k, top_p, min_p, repetition_penalty) -> None:
-    checks = [
-        (temperature, lambda v: v >= 0 and math.isfinite(v), "temperature must be >= 0"),
-        (top_p, lambda v: 0 < v <= 1, "top_p must be in (0, 1]"),
-        (top_k, lambda v: v >= 0 and float(v).is_integer(), "top_k must be an integer >= 0 (0 disables)"),
-        (min_p, lambda v: 0 <= v <= 1, "min_p must be in [0, 1]"),
-        (repetition_penalty, lambda v: v > 0 and math.isfinite(v), "repetition_penalty must be > 0"),
-    ]
-    for value, ok, message in checks:
-        for v in np.atleast_1d(np.asarray(value, dtype=np.float64)):
-            if not ok(float(v)):
-                raise InvalidRequestError(f"{message}; got {float(v)!r}")
-
-
-METHODS = ("plain", "ngram", "draft", "layer_skip", "eagle3", "mtp")
-MAX_DRAFT_TOKENS = 32  # beyond this a round costs far more than any acceptance can repay
+def _bucket(n: int, minimum: int) -> int:
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
-class _Prepared:
+class Prepared:
+    """A checked request, ready to run: the prompts as rows of ids, the per-call arrays, the
+    static loop spec (changing any of it compiles a new program) and the resolved method."""
+
     rows: list[list[int]]
     request: loop.Request
     spec: loop.LoopSpec
-    draft: Model | None
-    method: str
-    stop_strings: tuple[str, ...]
+    speculation: Speculation
+    options: GenerateOptions
+
+    @property
+    def shape_summary(self) -> str:
+        """What the compiled program is specialised to, for the compile notice."""
+        batch, prompt_bucket = self.request.prompt.shape
+        method = self.speculation.method.value
+        k = f" k={self.spec.num_draft}" if self.spec.num_draft else ""
+        return f"{method}{k}, batch {batch}, prompts up to {prompt_bucket} tokens, {self.spec.capacity} cache slots"
 
 
-DRAFT_SAMPLING = ("sample", "argmax")
-
-
-def _proposer(model: Model, draft_params, method, num_draft_tokens, ngram_max, ngram_min,
-              exit_layer, draft_sampling, sampler) -> tuple[str, proposers.Proposer | None, Model | None]:
-    """Resolve `method` (or infer it from `draft_params`) to a proposer and its draft model."""
-    if method is None:
-        if draft_params is None:
-            method = "plain"
-        else:
-            method = {eagle3.Eagle3Config: "eagle3", mtp.MtpConfig: "mtp"}.get(
-                type(getattr(draft_params, "config", None)), "draft")
-    if method not in METHODS:
-        raise InvalidRequestError(f"method must be one of {METHODS}; got {method!r}")
-    if method == "plain":
-        if draft_params is not None:
-            raise InvalidRequestError("method='plain' takes no draft_params")
-        return method, None, None
-    k = num_draft_tokens
-    if not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DRAFT_TOKENS:
-        raise InvalidRequestError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}]; got {k!r}")
-    if draft_sampling not in (None, *DRAFT_SAMPLING):
-        raise InvalidRequestError(f"draft_sampling must be one of {DRAFT_SAMPLING}; got {draft_sampling!r}")
-    if method == "ngram":
-        if draft_sampling == "sample":
-            raise InvalidRequestError(
-                "prompt lookup proposes copied tokens, not samples: it has no q for draft_sampling='sample'")
-        if draft_params is not None:
-            raise InvalidRequestError("method='ngram' (prompt lookup) takes no draft_params")
-        if not (isinstance(ngram_min, int) and isinstance(ngram_max, int) and 1 <= ngram_min <= ngram_max <= 16):
-            raise InvalidRequestError(f"need 1 <= ngram_min <= ngram_max <= 16; got {ngram_min}, {ngram_max}")
-        return method, proposers.PromptLookup(num_draft=int(k), ngram_max=ngram_max, ngram_min=ngram_min), None
-    if method == "eagle3":
-        return method, _eagle3_proposer(model, draft_params, int(k), draft_sampling, sampler), draft_params
-    if method == "mtp":
-        if draft_params is None:  # the head the target's own checkpoint carries
-            draft_params = load_mtp(model)
-        return method, _mtp_proposer(model, draft_params, int(k), draft_sampling, sampler), draft_params
-    if method == "layer_skip":
-        if draft_params is None:
-            draft_params = layer_skip(model, exit_layer if exit_layer is not None else model.config.num_layers // 2)
-    elif draft_params is None:
-        raise InvalidRequestError("method='draft' needs draft_params: a model from jaxspec.load")
-    if not isinstance(draft_params, Model):
-        raise InvalidRequestError(f"draft_params must be a jaxspec Model (from jaxspec.load); got {type(draft_params).__name__}")
-    if draft_params.config.vocab_size != model.config.vocab_size:
-        raise InvalidRequestError(
-            f"the draft's vocabulary ({draft_params.config.vocab_size}) differs from the target's "
-            f"({model.config.vocab_size}); a draft model must share the target's tokenizer")
-    # At temperature > 0 drafts are sampled from the draft's own distribution unless asked for
-    # argmax; greedy requests always draft argmax.
-    sample = not sampler.greedy and draft_sampling != "argmax"
-    proposer = proposers.DraftModel(num_draft=int(k), config=draft_params.config, sample=sample,
-                                    sampler=sampler if sample else None)
-    return method, proposer, draft_params
-
-
-def _check_head(model: Model, head, config_class, method: str, name: str, how_to_load: str):
-    """A draft head's config, checked against its target (hidden size, vocabulary) before tracing."""
-    if not isinstance(head, Model) or not isinstance(head.config, config_class):
-        raise InvalidRequestError(f"method={method!r} needs draft_params: an {name} head from {how_to_load}")
-    cfg, target = head.config, model.config
-    if cfg.dim != target.dim:
-        raise InvalidRequestError(f"the {name} head's hidden_size ({cfg.dim}) differs from the target's ({target.dim})")
-    if cfg.vocab_size != target.vocab_size:
-        raise InvalidRequestError(
-            f"the {name} head's vocabulary ({cfg.vocab_size}) differs from the target's ({target.vocab_size})")
-    return cfg
-
-
-def _eagle3_proposer(model: Model, head: Model | None, k: int, draft_sampling, sampler) -> proposers.Eagle3:
-    cfg = _check_head(model, head, eagle3.Eagle3Config, "eagle3", "EAGLE-3", "jaxspec.load(HEAD_DIR)")
-    layers = model.config.num_layers
-    aux = cfg.resolved_aux_layers(layers)
-    if len(aux) != 3 or any(not 0 <= i < layers for i in aux):
-        raise InvalidRequestError(f"EAGLE-3 aux layer ids {aux} must be three layer indices in [0, {layers}) of the target")
-    sample = not sampler.greedy and draft_sampling != "argmax"
-    return proposers.Eagle3(num_draft=k, config=cfg, aux_layer_ids=tuple(aux), sample=sample,
-                            sampler=sampler if sample else None)
-
-
-def _mtp_proposer(model: Model, head: Model, k: int, draft_sampling, sampler) -> proposers.Mtp:
-    cfg = _check_head(model, head, mtp.MtpConfig, "mtp", "MTP", "jaxspec.load_mtp(MODEL_DIR)")
-    sample = not sampler.greedy and draft_sampling != "argmax"
-    return proposers.Mtp(num_draft=k, config=cfg, target_layers=model.config.num_layers, sample=sample,
-                         sampler=sampler if sample else None)
-
-
-def lm_head_of(model: Model) -> jax.Array:
-    """The target's output projection [V, D]: its embedding when tied. An MTP head speaks through it."""
-    return model.params["embed"] if model.config.tie_embeddings else model.params["lm_head"]
-
-
-def _draft_arguments(model: Model, prepared: "_Prepared"):
-    """What the jitted program receives as draft_params: a draft trunk's params, or a head's
-    params with the target's embedding (and, for MTP, its lm_head) beside them."""
-    if prepared.draft is None:
-        return None
-    if prepared.method == "eagle3":
-        return {"head": prepared.draft.params, "embed": model.params["embed"]}
-    if prepared.method == "mtp":
-        return {"head": prepared.draft.params, "embed": model.params["embed"], "lm_head": lm_head_of(model)}
-    return prepared.draft.params
-
-
-def _prepare(model: Model, prompt, *, draft_params=None, method=None, num_draft_tokens=4, ngram_max=3,
-             ngram_min=1, exit_layer=None, draft_sampling=None, max_new_tokens, temperature, top_k,
-             top_p, min_p, repetition_penalty, seed, chat, stop, stop_token_ids, ignore_eos,
-             kv_format=None, attention="auto") -> _Prepared:
+def _stop_ids_and_sequences(model: Model,
+                            options: GenerateOptions) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Token ids that end a row, and multi-token stop sequences matched on device."""
     cfg = model.config
-    attention = Attention.parse(attention)
-    if attention is not Attention.AUTO:
-        resolve_attention(attention)  # "pallas" off a GPU: a named error now, not at trace time
-    if kv_format is not None:
-        kv_format = KVFormat.parse(kv_format)
-    if (kv_format is not None or attention is not Attention.AUTO) and not isinstance(cfg, ModelConfig):
-        raise InvalidRequestError(
-            f"kv_format and attention apply to Llama-family trunks; this model is {type(cfg).__name__}")
-    if kv_format is not None:
-        kv_format.check(cfg)
-    _check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
-    sampler = spec_for(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                       repetition_penalty=repetition_penalty)
-    method, proposer, draft = _proposer(model, draft_params, method, num_draft_tokens, ngram_max,
-                                        ngram_min, exit_layer, draft_sampling, sampler)
-    k = 0 if proposer is None else proposer.num_draft
-    rows = _as_batch(prompt, model, chat)
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
-    longest = max(len(r) for r in rows)
-    contexts = [("model's", cfg.max_position_embeddings)]
-    if isinstance(proposer, proposers.Mtp):  # a sliding-window MTP block serves up to its window
-        contexts.append(("MTP head's", proposer.config.block.max_position_embeddings))
-    for whose, context in contexts:
-        if longest + max_new_tokens + k > context:
-            drafts = f" + num_draft_tokens ({k})" if k else ""
-            raise InvalidRequestError(
-                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}){drafts} exceeds the {whose} "
-                f"context of {context} tokens")
-    if not isinstance(seed, (int, np.integer)):
-        raise InvalidRequestError(f"seed must be an integer; got {seed!r}")
-
-    stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    stop_ids = set(int(t) for t in (stop_token_ids or ()))
+    stop_ids = set(options.stop_token_ids)
     for t in stop_ids:
-        if not 0 <= t < cfg.vocab_size:
+        if t >= cfg.vocab_size:
             raise InvalidRequestError(f"stop token id {t} is outside the vocabulary [0, {cfg.vocab_size})")
-    if not ignore_eos:
-        eos = model.tokenizer.eos_token_ids if model.tokenizer is not None else cfg.eos_token_ids
-        stop_ids |= set(eos)
-    stop_sequences = []
-    for text in stop_strings:
-        if not text:
-            raise InvalidRequestError("stop strings must be non-empty")
-        if model.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; pass stop_token_ids instead")
+    if not options.ignore_eos:
+        stop_ids |= set(model.tokenizer.eos_token_ids if model.tokenizer is not None else cfg.eos_token_ids)
+    sequences = []
+    if options.stop and model.tokenizer is None:
+        raise InvalidRequestError("stop strings need a tokenizer; pass stop_token_ids instead")
+    for text in options.stop:
         ids = tuple(model.tokenizer.encode(text, add_special_tokens=False))
         # On device we stop on the string's own tokenization; the text is cut on the host too,
         # which catches the string however it was tokenized.
         if len(ids) == 1:
             stop_ids.add(ids[0])
         elif ids:
-            stop_sequences.append(ids)
+            sequences.append(ids)
+    return tuple(sorted(stop_ids)), tuple(sequences)
+
+
+def prepare(model: Model, prompt, draft_params: Model | None = None, options: GenerateOptions | None = None,
+            **overrides) -> Prepared:
+    """Check a request against `model` and build what the jitted program takes; raises
+    InvalidRequestError (or the error the draft or the KV format names) before any tracing.
+    `options`, or the GenerateOptions fields as keyword arguments."""
+    if options is None:
+        options = GenerateOptions.from_kwargs(**overrides)
+    elif overrides:
+        options = dataclasses.replace(options, **overrides)
+    if not isinstance(model, Model):
+        raise InvalidRequestError(f"model must be a jaxspec Model (from jaxspec.load); got {type(model).__name__}")
+    cfg = model.config
+    if options.kv_format is not None:
+        options.kv_format.check(cfg)
+    method = options.method if options.method is not None else Method.infer(draft_params)
+    if method is Method.MTP and draft_params is None:  # the head the target's own checkpoint carries
+        draft_params = load_mtp(model)
+    sampler = options.sampler
+    speculation = build(method, model, draft_params, options.draft_options, sampler)
+    k = speculation.num_draft
+    rows = _as_batch(prompt, model, options.chat)
+    longest, max_new_tokens = max(len(r) for r in rows), int(options.max_new_tokens)
+    for whose, context in speculation.context_limits(model):
+        if longest + max_new_tokens + k > context:
+            drafts = f" + num_draft_tokens ({k})" if k else ""
+            raise InvalidRequestError(
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}){drafts} exceeds the {whose} "
+                f"context of {context} tokens")
+    stop_token_ids, stop_sequences = _stop_ids_and_sequences(model, options)
 
     batch = len(rows)
+    stop_ids = np.full((_bucket(len(stop_token_ids), MIN_STOP_IDS_BUCKET),), -1, np.int32)  # -1 never matches
+    stop_ids[: len(stop_token_ids)] = stop_token_ids
     prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
     # Decode attention reads all S slots every step, so S is the prompt bucket plus a bucket of
-    # the new tokens, not a power of two of the sum (1024 + 132 would otherwise become 2048).
-    capacity = min(prompt_bucket + _bucket(max_new_tokens + k, MIN_PROMPT_BUCKET), cfg.max_position_embeddings)
+    # the new tokens plus k, not a power of two of the sum (1024 + 132 would become 2048).
+    capacity = min(prompt_bucket + _bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET) + k, cfg.max_position_embeddings)
     padded = np.zeros((batch, prompt_bucket), np.int32)
     for i, r in enumerate(rows):
         padded[i, : len(r)] = r
@@ -382,41 +251,20 @@ def _prepare(model: Model, prompt, *, draft_params=None, method=None, num_draft_
         prompt=jnp.asarray(padded),
         prompt_length=jnp.asarray([len(r) for r in rows], jnp.int32),
         max_new_tokens=jnp.full((batch,), max_new_tokens, jnp.int32),
-        sampling=SamplingParams.create(batch, temperature=temperature, top_k=top_k, top_p=top_p,
-                                       min_p=min_p, repetition_penalty=repetition_penalty),
-        key=jax.random.PRNGKey(seed),
+        sampling=SamplingParams.create(batch, **options.sampling_values),
+        key=jax.random.PRNGKey(options.seed),
+        stop_token_ids=jnp.asarray(stop_ids),
     )
     spec = loop.LoopSpec(
         cfg=cfg,
         capacity=capacity,
         sampler=sampler,
-        stop_token_ids=tuple(sorted(stop_ids)),
-        stop_sequences=tuple(stop_sequences),
-        proposer=proposer,
-        kv_format=kv_format,
-        attention=attention.value,
+        stop_sequences=stop_sequences,
+        proposer=speculation.proposer,
+        kv_format=options.kv_format,
+        attention=options.attention.value,
     )
-    return _Prepared(rows=rows, request=request, spec=spec, draft=draft, method=method,
-                     stop_strings=stop_strings)
-
-
-# Compiled programs, keyed by everything that shapes them (the static spec and array shapes).
-_compiled: dict[Any, Any] = {}
-
-
-def _shape_key(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves)
-
-
-def _compile(fn, *args, spec) -> tuple[Any, float]:
-    key = (fn, spec, _shape_key(args))
-    if key in _compiled:
-        return _compiled[key], 0.0
-    start = time.perf_counter()
-    compiled = fn.lower(*args, spec=spec).compile()
-    _compiled[key] = compiled
-    return compiled, time.perf_counter() - start
+    return Prepared(rows=rows, request=request, spec=spec, speculation=speculation, options=options)
 
 
 def _cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> tuple[str, bool]:
@@ -424,18 +272,12 @@ def _cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
-def _generated(state: loop.DecodeState, rows: int) -> list[list[int]]:
-    history = np.asarray(state.tokens)
-    starts, counts = np.asarray(state.prompt_length), np.asarray(state.num_generated)
-    return [history[row, starts[row]: starts[row] + counts[row]].tolist() for row in range(rows)]
-
-
-def _stats(prepared: _Prepared, state: loop.DecodeState, *, prefill_seconds, decode_seconds,
+def _stats(prepared: Prepared, state: loop.DecodeState, *, prefill_seconds, decode_seconds,
            compile_seconds, rows) -> SpecStats:
     counters = jax.device_get(state.stats)
     proposed_at, accepted_at = counters.proposed_at, counters.accepted_at
     return SpecStats(
-        method=prepared.method,
+        method=prepared.speculation.method.value,
         num_draft_tokens=prepared.spec.num_draft,
         rows=rows,
         prompt_tokens=sum(len(r) for r in prepared.rows[:rows]),
@@ -452,47 +294,35 @@ def _stats(prepared: _Prepared, state: loop.DecodeState, *, prefill_seconds, dec
     )
 
 
-def _finish(model: Model, prepared: _Prepared, tokens: list[list[int]], reasons: list[str],
+def _finish(model: Model, prepared: Prepared, tokens: list[list[int]], reasons: list[str],
             stats: SpecStats) -> GenerateResult:
     texts = None
     if model.tokenizer is not None:
         texts = []
         for row, ids in enumerate(tokens):
-            text, was_cut = _cut_at_stop(model.tokenizer.decode(ids), prepared.stop_strings)
+            text, was_cut = _cut_at_stop(model.tokenizer.decode(ids), prepared.options.stop)
             texts.append(text)
             if was_cut:
                 reasons[row] = "stop"
     return GenerateResult(tokens=tokens, text=texts, finish_reason=reasons, stats=stats)
 
 
-def generate(
-    model: Model,
-    draft_params: Model | None = None,
-    prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] = "",
-    *,
-    method: str | None = None,
-    num_draft_tokens: int = 4,
-    ngram_max: int = 3,
-    ngram_min: int = 1,
-    exit_layer: int | None = None,
-    draft_sampling: str | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    seed: int = 0,
-    chat: bool = False,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    ignore_eos: bool = False,
-    kv_format: str | tuple[str, str] | None = None,
-    attention: str = "auto",
-) -> GenerateResult:
-    """Generate from `model` as one on-device program (prefill + `lax.while_loop`).
+def _timed(call, what: str):
+    """Run `call()` to completion: (its result, run seconds, compile seconds within it)."""
+    with compilation.CompileWatch(what) as watch:
+        start = time.perf_counter()
+        result = jax.block_until_ready(call())
+        elapsed = time.perf_counter() - start
+    return result, max(elapsed - watch.seconds, 0.0), watch.seconds
+
+
+def generate(model: Model, draft_params: Model | None = None,
+             prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] = "",
+             **options) -> GenerateResult:
+    """Generate from `model` on device: one jitted prefill, then one jitted `lax.while_loop`.
 
     `prompt` is a string, a list of strings (a batch), token ids, or a batch of token ids.
+    `options` are the fields of `GenerateOptions`, which holds their defaults and checks them.
     Speculation: `method` is "ngram" (prompt lookup), "draft" (`draft_params`, a model sharing
     the vocabulary), "layer_skip" (the target's first `exit_layer` layers; default half),
     "eagle3" (`draft_params`, an EAGLE-3 head), "mtp" (`draft_params` from `load_mtp`, by default
@@ -507,89 +337,84 @@ def generate(
     KV cache: `kv_format` stores the target's K and V as "f32" (default), "bf16", "q8_0" or
     "q5_1", one name for both or a (K, V) pair such as ("q8_0", "q5_1"); `attention` is "auto"
     (the Pallas kernel on GPU, the XLA reference elsewhere), "reference", "pallas" or "interpret".
+    The first call for a shape compiles (a `compiling ...` line on stderr, see
+    `jaxspec.compilation`); compiled programs persist on disk across runs.
     """
-    prepared = _prepare(model, prompt, draft_params=draft_params, method=method,
-                        num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min,
-                        exit_layer=exit_layer, draft_sampling=draft_sampling,
-                        max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                        seed=seed, chat=chat, stop=stop, stop_token_ids=stop_token_ids,
-                        ignore_eos=ignore_eos, kv_format=kv_format, attention=attention)
-    draft = _draft_arguments(model, prepared)
-    program, compile_seconds = _compile(loop.run_jit, model.params, draft, prepared.request, spec=prepared.spec)
-    loop._prefill_done_at.clear()
-    start = time.perf_counter()
-    state = jax.block_until_ready(program(model.params, draft, prepared.request))
-    end = time.perf_counter()
-    prefill_done = loop._prefill_done_at[-1] if loop._prefill_done_at else start
+    prepared = prepare(model, prompt, draft_params, **options)
+    compilation.enable_persistent_cache()
+    draft = prepared.speculation.draft_inputs(model)
+    args, spec = (model.params, draft), prepared.spec
+    state, prefill_seconds, compile_prefill = _timed(
+        lambda: loop.prefill_jit(*args, prepared.request, spec=spec), f"prefill [{prepared.shape_summary}]")
+    state, decode_seconds, compile_decode = _timed(
+        lambda: loop.decode_jit(*args, state, prepared.request, spec=spec), f"decode loop [{prepared.shape_summary}]")
 
     rows = len(prepared.rows)
     reasons = [loop.FINISH_NAMES[int(r)] for r in np.asarray(state.finish_reason)]
-    stats = _stats(prepared, state, prefill_seconds=prefill_done - start, decode_seconds=end - prefill_done,
-                   compile_seconds=compile_seconds, rows=rows)
-    return _finish(model, prepared, _generated(state, rows), reasons, stats)
+    stats = _stats(prepared, state, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
+                   compile_seconds=compile_prefill + compile_decode, rows=rows)
+    return _finish(model, prepared, loop.generated_tokens(state, rows), reasons, stats)
 
 
 class Stream:
     """Iterates over text (or, without a tokenizer, token ids) as tokens are committed.
 
-    After iteration, `.result` holds the `GenerateResult`. One prompt; any method.
+    After iteration, `.result` holds the `GenerateResult`. One prompt; any method. Each round
+    copies only its newly committed tokens to the host.
     """
 
-    def __init__(self, model: Model, prompt, draft_params=None, **kwargs):
+    def __init__(self, model: Model, prompt, draft_params=None, **options):
         self._model = model
-        self._prepared = _prepare(model, prompt, draft_params=draft_params, **kwargs)
+        self._prepared = prepare(model, prompt, draft_params, **options)
         if len(self._prepared.rows) != 1:
             raise InvalidRequestError("stream() takes one prompt; use generate() for a batch")
         self.result: GenerateResult | None = None
 
     def __iter__(self) -> Iterator[str | int]:
         model, prepared = self._model, self._prepared
-        args = (model.params, _draft_arguments(model, prepared))
-        prefill, compile_prefill = _compile(loop.prefill_jit, *args, prepared.request, spec=prepared.spec)
-        state_shape = jax.eval_shape(functools.partial(loop.prefill, spec=prepared.spec), *args,
-                                     prepared.request)
-        step, compile_step = _compile(loop.round_step_jit, *args, state_shape, prepared.request,
-                                      spec=prepared.spec)
+        compilation.enable_persistent_cache()
+        args, spec, request = (model.params, prepared.speculation.draft_inputs(model)), prepared.spec, prepared.request
+        stop_strings = prepared.options.stop
         decoder = model.tokenizer.stream_decoder() if model.tokenizer is not None else None
         # Text not yet yielded: with stop strings, the tail that could begin one is held back.
-        hold = max((len(s) for s in prepared.stop_strings), default=1) - 1
-        unsent, emitted, stopped_by_string = "", 0, False
+        hold = max((len(s) for s in stop_strings), default=1) - 1
+        unsent, stopped_by_string = "", False
+        generated: list[int] = []
 
-        start = time.perf_counter()
-        state = jax.block_until_ready(prefill(*args, prepared.request))
-        prefill_done = time.perf_counter()
+        state, prefill_seconds, compile_seconds = _timed(
+            lambda: loop.prefill_jit(*args, request, spec=spec), f"prefill [{prepared.shape_summary}]")
+        new, running = [int(state.pending[0])], bool(state.running[0])
+        decode_seconds = 0.0
         while True:
-            new = _generated(state, 1)[0][emitted:]
-            emitted += len(new)
+            generated += new
             if decoder is None:
                 yield from new
             else:
                 unsent += "".join(decoder.feed(token) for token in new)
-                unsent, stopped_by_string = _cut_at_stop(unsent, prepared.stop_strings)
+                unsent, stopped_by_string = _cut_at_stop(unsent, stop_strings)
                 ready = len(unsent) if stopped_by_string else len(unsent) - hold
                 if ready > 0:
                     yield unsent[:ready]
                     unsent = unsent[ready:]
-            if stopped_by_string or not bool(state.running[0]):
+            if stopped_by_string or not running:
                 break
-            state = step(*args, state, prepared.request)
+            (state, committed), seconds, compiling = _timed(
+                lambda: loop.stream_step_jit(*args, state, request, spec=spec),
+                f"decode round [{prepared.shape_summary}]")
+            decode_seconds, compile_seconds = decode_seconds + seconds, compile_seconds + compiling
+            committed = jax.device_get(committed)  # k + 1 tokens, not the [1, S] history
+            new, running = committed.tokens[0, : committed.count[0]].tolist(), bool(committed.running[0])
         if decoder is not None and not stopped_by_string:
             unsent += decoder.flush()  # a trailing incomplete character, if generation ended mid-way
         if unsent:
             yield unsent
-        end = time.perf_counter()
         reasons = ["stop" if stopped_by_string else loop.FINISH_NAMES[int(state.finish_reason[0])]]
-        stats = _stats(prepared, state, prefill_seconds=prefill_done - start, decode_seconds=end - prefill_done,
-                       compile_seconds=compile_prefill + compile_step, rows=1)
-        self.result = _finish(model, prepared, _generated(state, 1), reasons, stats)
+        stats = _stats(prepared, state, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
+                       compile_seconds=compile_seconds, rows=1)
+        self.result = _finish(model, prepared, [generated], reasons, stats)
 
 
-def stream(model: Model, prompt, draft_params: Model | None = None, **kwargs) -> Stream:
-    """Like `generate` for one prompt (any method), but yields text deltas as they are committed."""
-    return Stream(model, prompt, draft_params, **{**_GENERATE_DEFAULTS, **kwargs})
-
-
-_GENERATE_DEFAULTS = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
-                          repetition_penalty=1.0, seed=0, chat=False, stop=None, stop_token_ids=None,
-                          ignore_eos=False, kv_format=None, attention="auto")
+def stream(model: Model, prompt, draft_params: Model | None = None, **options) -> Stream:
+    """Like `generate` for one prompt (any method), but yields text deltas as they are committed.
+    `options` are the fields of `GenerateOptions`."""
+    return Stream(model, prompt, draft_params, **options)

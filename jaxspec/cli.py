@@ -1,22 +1,33 @@
 """`python -m jaxspec.cli generate | info | convert | train-head`.
 
-Bad input (a missing model, an out-of-range parameter) prints one line and exits with status 2.
+Bad input (a missing model, an out-of-range parameter) prints one line, in the CLI's own terms
+(`--draft`, not `draft_params`), and exits with status 2. Generation defaults are
+`jaxspec.GenerateOptions`'s.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
+import re
 import sys
 
-from jaxspec import api, checkpoints
+from jaxspec import api, checkpoints, compilation
 from jaxspec.errors import InvalidRequestError, JaxspecError
+from jaxspec.options import GenerateOptions
+from jaxspec.spec.methods import DRAFT_SAMPLING, Method
 
 EXIT_BAD_INPUT = 2
+DEFAULTS = GenerateOptions()
+# What `--draft` must name for each method that needs one.
+DRAFT_FOR = {Method.DRAFT: "--draft MODEL (a draft model sharing the vocabulary)",
+             Method.EAGLE3: "--draft HEAD_DIR (an EAGLE-3 head directory, or eagle3-smollm2-135m)"}
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every command (its generate defaults are GenerateOptions's)."""
     parser = argparse.ArgumentParser(prog="python -m jaxspec.cli", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -24,31 +35,35 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--model", default=api.DEFAULT_MODEL,
                      help="'smollm2-135m' (default), a .gguf file, an HF or a converted directory")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
+    gen.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help="0 is greedy (default)")
+    gen.add_argument("--top-p", type=float, default=DEFAULTS.top_p)
+    gen.add_argument("--top-k", type=int, default=DEFAULTS.top_k)
+    gen.add_argument("--min-p", type=float, default=DEFAULTS.min_p)
+    gen.add_argument("--repetition-penalty", type=float, default=DEFAULTS.repetition_penalty)
+    gen.add_argument("--seed", type=int, default=DEFAULTS.seed)
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    gen.add_argument("--method", choices=api.METHODS, default=None,
+    gen.add_argument("--method", choices=[method.value for method in Method], default=None,
                      help="speculation: ngram (prompt lookup), draft (--draft MODEL), layer_skip, eagle3 "
                           "(--draft HEAD_DIR), mtp (the model's own MTP head, or --draft DIR); default plain, "
                           "or inferred from --draft")
-    gen.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="draft tokens per round")
+    gen.add_argument("-k", "--num-draft-tokens", type=int, default=DEFAULTS.num_draft_tokens,
+                     help="draft tokens per round")
     gen.add_argument("--draft", default=None,
                      help="a draft model (same vocabulary), an EAGLE-3 head directory or name "
                           "(eagle3-smollm2-135m), a trained MTP head directory, or for --method mtp the HF "
                           "directory whose MTP head to use")
-    gen.add_argument("--draft-sampling", choices=api.DRAFT_SAMPLING, default=None,
+    gen.add_argument("--draft-sampling", choices=DRAFT_SAMPLING, default=None,
                      help="at temperature > 0: drafts sampled from the draft's distribution (default) or its argmax")
     gen.add_argument("--kv-format", default=None, help="the target's KV cache: f32 (default), bf16, q8_0, q5_1, "
                      "or K,V such as q8_0,q5_1")
-    gen.add_argument("--attention", default="auto", help="auto (default), reference, pallas or interpret")
-    gen.add_argument("--exit-layer", type=int, default=None, help="layers the layer_skip draft keeps")
+    gen.add_argument("--attention", default=DEFAULTS.attention.value,
+                     help="auto (default), reference, pallas or interpret")
+    gen.add_argument("--exit-layer", type=int, default=None,
+                     help="with --method layer_skip: layers the draft keeps (default half)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the model's chat template (default: on when the model has one)")
+    gen.add_argument("-q", "--quiet", action="store_true", help="no 'compiling ...' notice on stderr")
 
     info = commands.add_parser("info", help="describe a checkpoint from its headers")
     info.add_argument("model", nargs="?", default=api.DEFAULT_MODEL)
@@ -101,23 +116,52 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Python names in an API error message -> the flags that set them.
+PYTHON_NAMES_TO_FLAGS = {
+    "draft_params": "--draft", "num_draft_tokens": "--num-draft-tokens", "max_new_tokens": "--max-new-tokens",
+    "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
+    "draft_sampling": "--draft-sampling", "kv_format": "--kv-format", "exit_layer": "--exit-layer",
+    "temperature": "--temperature",
+}
+_PYTHON_NAME = re.compile(r"\b(" + "|".join(map(re.escape, PYTHON_NAMES_TO_FLAGS)) + r")\b")
+_METHOD_EQUALS = re.compile(r"method='(\w+)'")
+
+
+def in_cli_terms(message: str) -> str:
+    """An API error message with Python names (draft_params, method='eagle3') as CLI flags."""
+    message = _METHOD_EQUALS.sub(r"--method \1", message)
+    return _PYTHON_NAME.sub(lambda match: PYTHON_NAMES_TO_FLAGS[match.group(1)], message)
+
+
+def _check_flags(args) -> None:
+    """What only the CLI can get wrong: flags that only apply together."""
+    if args.exit_layer is not None and args.method != Method.LAYER_SKIP:
+        raise InvalidRequestError("--exit-layer applies to --method layer_skip only")
+    if args.method in DRAFT_FOR and args.draft is None:
+        raise InvalidRequestError(f"--method {args.method} needs {DRAFT_FOR[Method(args.method)]}")
+    if args.draft is not None and args.method in (Method.PLAIN, Method.NGRAM, Method.LAYER_SKIP):
+        raise InvalidRequestError(f"--method {args.method} takes no --draft")
+
+
 def _generate(args) -> None:
-    model = api.load(args.model, progress=True)
-    if args.method == "mtp":  # the head lives in a target's directory (no --draft: the model's own)
-        draft = api.load_mtp(args.draft) if args.draft else None
-    else:
-        draft = api.load(args.draft, progress=True) if args.draft else None
+    _check_flags(args)
+    compilation.set_compile_notices(not args.quiet)
     kv_format = args.kv_format
     if kv_format is not None and "," in kv_format:
         kv_format = tuple(kv_format.split(",", 1))
+    # Checked before anything loads: a bad flag costs no model load.
+    options = GenerateOptions(
+        method=args.method, num_draft_tokens=args.num_draft_tokens, exit_layer=args.exit_layer,
+        draft_sampling=args.draft_sampling, kv_format=kv_format, attention=args.attention,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+    model = api.load(args.model, progress=True)
+    if args.method == Method.MTP:  # the head lives in a target's directory (no --draft: the model's own)
+        draft = api.load_mtp(args.draft) if args.draft else None
+    else:
+        draft = api.load(args.draft, progress=True) if args.draft else None
     chat = args.chat if args.chat is not None else bool(model.tokenizer and model.tokenizer.chat_template)
-    stream = api.stream(
-        model, args.prompt, draft, method=args.method, num_draft_tokens=args.num_draft_tokens,
-        exit_layer=args.exit_layer, draft_sampling=args.draft_sampling, kv_format=kv_format,
-        attention=args.attention, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        seed=args.seed, chat=chat, stop=args.stop,
-    )
+    stream = api.stream(model, args.prompt, draft, options=dataclasses.replace(options, chat=chat))
     for text in stream:
         print(text, end="", flush=True)
     stats = stream.result.stats
@@ -161,7 +205,7 @@ def _train_head(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             _generate(args)
@@ -173,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "train-head":
             _train_head(args)
     except JaxspecError as error:
-        print(f"error: {error}", file=sys.stderr)
+        message = in_cli_terms(str(error)) if args.command == "generate" else str(error)
+        print(f"error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
 

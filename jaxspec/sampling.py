@@ -55,11 +55,14 @@ def spec_for(*, temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1
     """The smallest program that serves these (host-side, scalar or per-row) values."""
     import numpy as np
 
+    greedy = bool(np.all(np.asarray(temperature) == 0))
     return SamplerSpec(
-        greedy=bool(np.all(np.asarray(temperature) == 0)),
+        greedy=greedy,
         top_k=bool(np.any(np.asarray(top_k) > 0)),
         top_p=bool(np.any(np.asarray(top_p) < 1)),
-        min_p=bool(np.any(np.asarray(min_p) > 0)),
+        # min-p costs one max and one compare over V: always in a sampled program, so turning it
+        # on or off does not recompile (rows with min_p = 0 skip it by value).
+        min_p=not greedy or bool(np.any(np.asarray(min_p) > 0)),
         repetition_penalty=bool(np.any(np.asarray(repetition_penalty) != 1)),
     )
 

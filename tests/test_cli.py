@@ -113,6 +113,18 @@ def test_convert_then_load_gives_identical_greedy_tokens(tiny, tiny_cache, conve
     assert outs[0] == outs[1] == source.tokenizer.decode(tokens["source"])
 
 
+def test_quiet_silences_the_compile_notice(tiny, tiny_cache, converted, capsys):
+    # Prompt buckets no other test compiles (17+ tokens -> 32, 33+ -> 64), so both runs compile.
+    args = ("--no-chat", "--max-new-tokens", "4", "--model", str(converted))
+    code, out, err = run(capsys, "generate", "tok1" * 9, *args, "--quiet")
+    assert code == 0, err
+    assert "compiling" not in err and len(stats_lines(err)) == 1
+    code, out, err = run(capsys, "generate", "tok1" * 17, *args)
+    assert code == 0, err
+    [notice, *_] = [line for line in err.splitlines() if "compiling" in line]
+    assert notice.startswith("jaxspec: compiling prefill [plain, batch 1, prompts up to 64 tokens")
+
+
 def test_convert_refuses_a_non_empty_output(tiny, converted, capsys):
     code, out, err = run(capsys, "convert", str(tiny["gguf"]), str(converted))
     assert_one_line_error(code, out, err, "already exists")
@@ -150,15 +162,23 @@ def test_missing_model_path(tmp_path, capsys):
 @pytest.mark.parametrize(
     "flags, needle",
     [
-        (["--top-p", "0"], "top_p"),
-        (["--temperature", "-1"], "temperature"),
-        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+        (["--exit-layer", "1"], "--exit-layer applies to --method layer_skip only"),
+        (["--method", "eagle3"], "--method eagle3 needs --draft HEAD_DIR"),
+        (["--method", "draft"], "--method draft needs --draft MODEL"),
+        (["--method", "ngram", "-k", "99"], "--num-draft-tokens must be an integer in [1, 32]"),
+        (["--method", "ngram", "--draft-sampling", "sample", "--temperature", "1"],
+         "no q for --draft-sampling='sample'"),
     ],
-    ids=["top-p-0", "temperature-negative", "max-new-tokens-0"],
+    ids=["top-p-0", "temperature-negative", "max-new-tokens-0", "exit-layer-alone", "eagle3-without-draft",
+         "draft-without-draft", "k-too-big", "ngram-sampled-drafts"],
 )
-def test_bad_generation_parameters(converted, capsys, flags, needle):
+def test_bad_generation_parameters_speak_cli(converted, capsys, flags, needle):
     code, out, err = run(capsys, "generate", "tok1", "--no-chat", "--model", str(converted), *flags)
     assert_one_line_error(code, out, err, needle)
+    assert not any(name in err for name in cli.PYTHON_NAMES_TO_FLAGS if "_" in name)
 
 
 @pytest.mark.parametrize("command", ["generate", "info"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import jaxspec
 from jaxspec import checkpoints
@@ -31,6 +30,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def hf_model():
+    import torch
     import transformers
 
     path = checkpoints.default_model_path()
@@ -39,6 +39,8 @@ def hf_model():
 
 
 def _hf_logits(hf_model, ids):
+    import torch
+
     with torch.no_grad():
         return hf_model(torch.tensor([ids])).logits[0].numpy()
 
@@ -59,6 +61,8 @@ def test_logits_on_a_64_token_prompt_match_transformers(model, hf_model):
 
 
 def test_64_greedy_tokens_match_transformers(model, hf_model):
+    import torch
+
     ids = model.tokenizer.encode_chat(PROMPT)
     ours = jaxspec.generate(model, None, ids, max_new_tokens=64, ignore_eos=True).tokens[0]
     with torch.no_grad():

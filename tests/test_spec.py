@@ -1,7 +1,7 @@
 """Speculative greedy decoding is exact: every proposer, several k, ragged batches, stops.
 
 Small random models (compiles stay cheap); the reference is the plain loop (k = 0), itself
-checked against full recomputation in test_generate.py.
+checked against full recomputation in test_loop.py.
 """
 
 from __future__ import annotations
@@ -10,14 +10,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxspec
 from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig
 from jaxspec.models import llama
-from jaxspec.spec.proposers import Context, PromptLookup
 from tests.conftest import TINY, assert_same_greedy
 
 # Prompts with repeats, so prompt lookup finds matches; ragged lengths 13, 6 and 21.
@@ -109,27 +106,6 @@ def test_random_draft_is_still_exact_with_low_acceptance(tiny_model, draft_model
     assert result.stats.tau < 2.5
 
 
-@pytest.mark.parametrize("max_new", [7, 9, 10])
-def test_max_new_tokens_is_never_overshot(tiny_model, max_new):
-    result = jaxspec.generate(tiny_model, tiny_model, PROMPTS, max_new_tokens=max_new, ignore_eos=True,
-                              num_draft_tokens=4)
-    reference = _plain(tiny_model, PROMPTS, max_new, ignore_eos=True)
-    assert result.tokens == reference.tokens
-    assert all(len(t) == max_new for t in result.tokens)
-    assert result.finish_reason == ["length"] * 3
-
-
-def test_eos_inside_accepted_drafts_ends_the_row_there(tiny_model):
-    free = _plain(tiny_model, PROMPTS, 30, ignore_eos=True).tokens
-    stop = free[0][6]  # mid-round for k = 4 (rounds commit 5 tokens after the prefill's first)
-    kwargs = dict(ignore_eos=True, stop_token_ids=[stop])
-    reference = _plain(tiny_model, PROMPTS, 30, **kwargs)
-    result = jaxspec.generate(tiny_model, tiny_model, PROMPTS, max_new_tokens=30, num_draft_tokens=4, **kwargs)
-    assert result.tokens == reference.tokens
-    assert result.finish_reason == reference.finish_reason
-    assert result.tokens[0][-1] == stop and len(result.tokens[0]) == free[0].index(stop) + 1
-
-
 def test_stream_works_with_every_method(tiny_model, draft_model):
     reference = _plain(tiny_model, PROMPTS[0], 20, ignore_eos=True).tokens[0]
     for method in ("ngram", "draft", "layer_skip"):
@@ -137,44 +113,3 @@ def test_stream_works_with_every_method(tiny_model, draft_model):
                                 **_method_kwargs(method, tiny_model, draft_model))
         assert list(stream) == reference == stream.result.tokens[0]
         assert stream.result.stats.method == method
-
-
-def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
-    # Context "1 2 3 9 1 2 3 7 5 1 2 3": the suffix "1 2 3" last occurred at index 4, followed by 7 5.
-    history = jnp.array([[1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3, 0, 0, 0, 0]])
-    context = Context(tokens=history, length=jnp.array([12]))
-    proposal, _ = PromptLookup(num_draft=4, ngram_max=3, ngram_min=1).propose(None, None, context)
-    # Proposals stop at the end of the context: 7 5 1 2 (four follow index 7).
-    assert proposal.drafts.tolist() == [[7, 5, 1, 2]] and proposal.num_proposed.tolist() == [4]
-    assert proposal.probs is None  # point masses
-    short = Context(tokens=history, length=jnp.array([9]))  # "... 1 2 3 7 5": suffix "5" never seen before
-    none, _ = PromptLookup(num_draft=4).propose(None, None, short)
-    assert none.num_proposed.tolist() == [0]
-    # With ngram_max=1 the suffix "3" (at 11) matches index 6 most recently: proposes 7 5 1 2.
-    one_gram, _ = PromptLookup(num_draft=2, ngram_max=1).propose(None, None, context)
-    assert one_gram.drafts.tolist() == [[7, 5]] and one_gram.num_proposed.tolist() == [2]
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(method="ngram", num_draft_tokens=0), "num_draft_tokens must be an integer in"),
-        (dict(method="ngram", num_draft_tokens=1000), "num_draft_tokens must be an integer in"),
-        (dict(method="beam"), "method must be one of"),
-        (dict(method="draft"), "needs draft_params"),
-        (dict(method="layer_skip", exit_layer=2), "exit_layer must be an integer in"),
-        (dict(method="ngram", temperature=0.5, draft_sampling="sample"), "no q for draft_sampling"),
-        (dict(method="layer_skip", exit_layer=1, temperature=0.5, draft_sampling="best"), "draft_sampling must be one of"),
-        (dict(method="ngram", max_new_tokens=248, num_draft_tokens=8), r"num_draft_tokens \(8\) exceeds"),
-    ],
-)
-def test_bad_speculative_requests(tiny_model, kwargs, message):
-    with pytest.raises(jaxspec.InvalidRequestError, match=message):
-        jaxspec.generate(tiny_model, prompt=[1, 2, 3], **kwargs)
-
-
-def test_draft_with_another_vocabulary_is_refused(tiny_model):
-    cfg = dataclasses.replace(TINY, vocab_size=64)
-    other = jaxspec.Model(config=cfg, params=llama.init_params(cfg, jax.random.PRNGKey(3)))
-    with pytest.raises(jaxspec.InvalidRequestError, match="vocabulary"):
-        jaxspec.generate(tiny_model, other, [1, 2, 3])

@@ -139,13 +139,11 @@ def _rejection_without_residual(drafts, num_proposed, draft_probs, target_probs,
 def test_a_verifier_that_skips_the_residual_fails_the_same_test(target, draft, monkeypatch):
     monkeypatch.setattr(loop, "rejection_sample", _rejection_without_residual)
     # The broken verifier must be traced into a fresh program, and not left behind for others.
-    jaxspec.api._compiled.clear()
     jax.clear_caches()
     settings = dict(temperature=1.0)
     try:
         counts, _ = sampled_joint(target, draft, settings, method="draft")
     finally:
-        jaxspec.api._compiled.clear()
         jax.clear_caches()
     p_value = chi_square_p_value(counts, exact_joint(target, settings))
     assert p_value < SIGNIFICANCE, f"the broken verifier went undetected: p = {p_value:.2e}"
@@ -157,7 +155,8 @@ def test_draft_equal_to_target_accepts_every_token(target, temperature):
                               num_draft_tokens=3, temperature=temperature, seed=3)
     stats = result.stats
     assert stats.accepted == stats.proposed == 3 * stats.rounds
-    assert stats.tau == 4.0 or stats.rounds * 4 >= stats.decode_tokens  # last round may be cut by max_new
+    # 19 decode tokens per row at k + 1 = 4 per round: 5 rounds, the last cut to 3 tokens by max_new.
+    assert stats.decode_tokens == 64 * 19 and stats.rounds == 64 * 5
 
 
 def test_greedy_with_repetition_penalty_is_exact_through_the_sampling_verifier(target, draft):
@@ -168,34 +167,3 @@ def test_greedy_with_repetition_penalty_is_exact_through_the_sampling_verifier(t
         spec = jaxspec.generate(target, draft if method["method"] == "draft" else None, [PROMPT, PROMPT[:4]],
                                 num_draft_tokens=3, **kwargs, **method)
         assert spec.tokens == plain.tokens
-
-
-def _valid_inputs(batch=2, k=2, vocab=5):
-    rng = np.random.RandomState(0)
-    drafts = rng.randint(0, vocab, (batch, k))
-    q = rng.dirichlet(np.ones(vocab), (batch, k)).astype(np.float32)
-    p = rng.dirichlet(np.ones(vocab), (batch, k + 1)).astype(np.float32)
-    return drafts, q, p
-
-
-@pytest.mark.parametrize(
-    "corrupt, message",
-    [
-        (lambda d, q, p: (d, q * 0.5, p), "draft probabilities must sum to 1"),
-        (lambda d, q, p: (d, np.where(np.arange(5) == 0, np.nan, q), p), "NaN"),
-        (lambda d, q, p: (d, q[..., :4] / q[..., :4].sum(-1, keepdims=True), p), "target's vocabulary"),
-        (lambda d, q, p: (d + 5, q, p), "draft token ids"),
-        (lambda d, q, p: (d, q, p[:, :2]), "target_probs must be"),
-    ],
-)
-def test_bad_distributions_are_refused_with_a_clear_error(corrupt, message):
-    drafts, q, p = corrupt(*_valid_inputs())
-    with pytest.raises(jaxspec.InvalidRequestError, match=message):
-        verify.rejection_sample(jnp.asarray(drafts), jnp.full((2,), 2), q, p, jax.random.PRNGKey(0))
-
-
-def test_valid_distributions_pass_the_eager_check():
-    drafts, q, p = _valid_inputs()
-    accepted, committed = verify.rejection_sample(jnp.asarray(drafts), jnp.full((2,), 2), q, p,
-                                                  jax.random.PRNGKey(0))
-    assert accepted.shape == (2,) and committed.shape == (2, 3)

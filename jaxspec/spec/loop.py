@@ -5,8 +5,9 @@
 is draft -> verify -> accept -> commit: the proposer drafts k tokens, the target scores
 `[pending, d_1 .. d_k]` in one forward (T = k+1), each row accepts its own n, the cache advances
 by n + 1 and the bonus token becomes the next pending one. Plain decoding is the same round with
-no proposer (k = 0). The streaming path calls the same jitted `prefill` and `round_step` from a
-Python loop.
+no proposer (k = 0). `generate` runs `prefill` and `decode` as two jitted calls (the host
+times each); the streaming path calls `prefill` and then `stream_step` (a round plus the tokens it
+committed) from a Python loop.
 
 Invariant for a running row, with h = prompt_length + num_generated tokens of context:
     tokens[:h] is the prompt then the generated tokens; tokens[h - 1] is `pending` (committed,
@@ -16,12 +17,11 @@ Invariant for a running row, with h = prompt_length + num_generated tokens of co
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
-from jax.experimental import io_callback
 
 from jaxspec import models
 from jaxspec.cache import KVCache, KVFormat
@@ -42,7 +42,6 @@ class LoopSpec:
     cfg: ModelConfig
     capacity: int  # S: cache slots and token-history length per row
     sampler: SamplerSpec
-    stop_token_ids: tuple[int, ...] = ()  # EOS and user stop tokens
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stops, matched on device
     proposer: Proposer | None = None  # None: plain decoding
     kv_format: KVFormat | None = None  # the target's K/V storage; None: the trunk's default (float32)
@@ -74,6 +73,9 @@ class Request:
     max_new_tokens: jax.Array  # int32[B]
     sampling: SamplingParams
     key: jax.Array  # PRNG key
+    # int32[N]: EOS and the user's stop tokens, padded with -1 to a bucketed N (an array, so a new
+    # stop set or ignore_eos does not recompile); None: no stop tokens.
+    stop_token_ids: jax.Array | None = None
 
 
 @struct.dataclass
@@ -121,15 +123,17 @@ class DecodeState:
         return jnp.take_along_axis(self.tokens, last[:, None], axis=1)[:, 0]
 
 
-def _stop_hits(tokens: jax.Array, ends: jax.Array, first_generated: jax.Array, spec: LoopSpec) -> jax.Array:
+def _stop_hits(tokens: jax.Array, ends: jax.Array, first_generated: jax.Array, request: Request,
+               spec: LoopSpec) -> jax.Array:
     """Whether a stop token or a stop sequence ends at each position `ends` int32[B, T].
 
     Sequences match generated tokens only (from `first_generated` int32[B] on). -> bool[B, T]
     """
     size = tokens.shape[1]
-    last = jnp.take_along_axis(tokens, jnp.clip(ends, 0, size - 1), axis=1)
-    hit = jnp.isin(last, jnp.asarray(spec.stop_token_ids, jnp.int32)) if spec.stop_token_ids else (
-        jnp.zeros(ends.shape, bool))
+    last = jnp.take_along_axis(tokens, jnp.clip(ends, 0, size - 1), axis=1)  # [B, T]
+    hit = jnp.zeros(ends.shape, bool)
+    if request.stop_token_ids is not None:
+        hit = jnp.any(last[..., None] == request.stop_token_ids, axis=-1)  # [B, T, N] -> [B, T]
     for sequence in spec.stop_sequences:
         match = ends - (len(sequence) - 1) >= first_generated[:, None]
         for back, token in enumerate(reversed(sequence)):
@@ -157,7 +161,7 @@ def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
     rows = jnp.arange(batch)[:, None]
     tokens = state.tokens.at[rows, jnp.where(valid, at, size)].set(new_tokens, mode="drop")
 
-    stop_hit = _stop_hits(tokens, at, state.prompt_length, spec) & valid
+    stop_hit = _stop_hits(tokens, at, state.prompt_length, request, spec) & valid
     length_hit = (generated_index + 1 >= request.max_new_tokens[:, None]) & valid
     ends = stop_hit | length_hit
     first_end = jnp.argmax(ends, axis=1)  # earliest ending position among the new ones
@@ -328,20 +332,30 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
     return _check_capacity(state, spec)
 
 
-# Host timestamps taken from inside the jitted program (see `run`); reset per call by the caller.
-_prefill_done_at: list[float] = []
+@struct.dataclass
+class Committed:
+    """What one round committed, for a host that streams: only these cross to the host."""
+
+    tokens: jax.Array  # int32[B, k+1]: the round's tokens per row, padding past `count`
+    count: jax.Array  # int32[B]: how many of them each row committed (0 for finished rows)
+    running: jax.Array  # bool[B]: rows still running after the round
 
 
-def _mark_prefill_done(_):
-    _prefill_done_at.append(time.perf_counter())
+def stream_step(params, draft_params, state: DecodeState, request: Request,
+                spec: LoopSpec) -> tuple[DecodeState, Committed]:
+    """`round_step`, plus the tokens it committed, so a streaming host copies k + 1 tokens per
+    row each round rather than the whole [B, S] history."""
+    before = state.prompt_length + state.num_generated  # [B]: where this round's tokens start
+    state = round_step(params, draft_params, state, request, spec)
+    size = state.tokens.shape[1]
+    at = jnp.clip(before[:, None] + jnp.arange(spec.num_draft + 1)[None, :], 0, size - 1)  # [B, k+1]
+    committed = Committed(tokens=jnp.take_along_axis(state.tokens, at, axis=1),
+                          count=state.prompt_length + state.num_generated - before, running=state.running)
+    return state, committed
 
 
-def run(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
-    """Prefill and decode to completion, on device, as one program."""
-    state = prefill(params, draft_params, request, spec)
-    # One ordered host callback after prefill, so stats can split prefill and decode time; it
-    # takes `pending`, which depends on the prefill's logits, so it fires only once they exist.
-    io_callback(_mark_prefill_done, None, state.pending, ordered=True)
+def decode(params, draft_params, state: DecodeState, request: Request, spec: LoopSpec) -> DecodeState:
+    """Rounds until every row is done, on device: one `lax.while_loop`, no host round trip."""
     return jax.lax.while_loop(
         lambda s: jnp.any(s.running),
         lambda s: round_step(params, draft_params, s, request, spec),
@@ -349,6 +363,23 @@ def run(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
     )
 
 
-run_jit = jax.jit(run, static_argnames=("spec",))
+def run(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
+    """Prefill and decode to completion as one program (`generate` runs the two as two jitted
+    calls, so the host can time each)."""
+    return decode(params, draft_params, prefill(params, draft_params, request, spec), request, spec)
+
+
+def generated_tokens(state: DecodeState, rows: int) -> list[list[int]]:
+    """Each of the first `rows` rows' generated ids, copied to the host."""
+    history = np.asarray(state.tokens)
+    starts, counts = np.asarray(state.prompt_length), np.asarray(state.num_generated)
+    return [history[row, starts[row]: starts[row] + counts[row]].tolist() for row in range(rows)]
+
+
+# The jitted entry points. `spec` is static (hashable); jit's own cache keeps one program per
+# (spec, argument shapes), and XLA's persistent cache (jaxspec.compilation) keeps it across runs.
 prefill_jit = jax.jit(prefill, static_argnames=("spec",))
+decode_jit = jax.jit(decode, static_argnames=("spec",), donate_argnames=("state",))
+run_jit = jax.jit(run, static_argnames=("spec",))
 round_step_jit = jax.jit(round_step, static_argnames=("spec",), donate_argnames=("state",))
+stream_step_jit = jax.jit(stream_step, static_argnames=("spec",), donate_argnames=("state",))

@@ -7,7 +7,9 @@ three pure methods over its own state pytree:
     propose(draft_params, state, context) -> (Proposal, state)
     update(draft_params, state, verified: Verified) -> state     after verification
 
-and a static `target_hidden_layers`: the trunk's residual streams the proposer needs (EAGLE-3's
+and a host-side `draft_inputs(target_params, draft_model_params) -> draft_params`: the pytree
+the jitted program receives (a draft trunk's params; a head's params beside the target's
+embedding it reads), and a static `target_hidden_layers`: the trunk's residual streams the proposer needs (EAGLE-3's
 aux layers), returned by the prefill and every verify forward, so no second target forward.
 A proposer whose rows may propose nothing (prompt lookup without a match) sets `can_abstain`:
 the loop then runs a plain T = 1 step in rounds where no running row has a draft.
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import models
-from jaxspec.models import eagle3, mtp
+from jaxspec.models import eagle3, layers, mtp
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution
@@ -71,6 +73,8 @@ class Proposer(Protocol):
     name: str
     target_hidden_layers: tuple[int, ...]
 
+    def draft_inputs(self, target_params: Any, draft_model_params: Any) -> Any: ...
+
     def init(self, draft_params: Any, prefill: Prefill, capacity: int) -> Any: ...
 
     def propose(self, draft_params: Any, state: Any, context: Context) -> tuple[Proposal, Any]: ...
@@ -93,6 +97,9 @@ class PromptLookup:
     name: str = "ngram"
     target_hidden_layers: tuple[int, ...] = ()
     can_abstain: bool = True  # rows without a match propose nothing (the loop then runs T = 1)
+
+    def draft_inputs(self, target_params, draft_model_params):
+        return None  # model-free
 
     def init(self, draft_params, prefill, capacity):
         return None
@@ -150,8 +157,11 @@ class DraftModel:
     config: ModelConfig
     sample: bool = False
     sampler: SamplerSpec | None = None
-    name: str = "draft"
+    name: str = "draft"  # "layer_skip" when the draft is the target's own first layers
     target_hidden_layers: tuple[int, ...] = ()
+
+    def draft_inputs(self, target_params, draft_model_params):
+        return draft_model_params
 
     def init(self, draft_params, prefill: Prefill, capacity: int) -> KVCache:
         batch = prefill.prompt.shape[0]
@@ -315,6 +325,9 @@ class Eagle3(_FeatureHead):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    def draft_inputs(self, target_params, draft_model_params):
+        return {"head": draft_model_params, "embed": target_params["embed"]}
+
     def _encode(self, draft_params, hiddens):
         return eagle3.encode(draft_params["head"], hiddens)
 
@@ -339,6 +352,7 @@ class Mtp(_FeatureHead):
     num_draft: int
     config: "mtp.MtpConfig"
     target_layers: int  # the target's L: its hidden layer L is the stream after the final norm
+    target_tied_embeddings: bool = False  # the target's lm_head is its embedding
     sample: bool = False
     sampler: SamplerSpec | None = None
     name: str = "mtp"
@@ -350,6 +364,10 @@ class Mtp(_FeatureHead):
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def draft_inputs(self, target_params, draft_model_params):
+        lm_head = layers.output_head(target_params, tied=self.target_tied_embeddings)
+        return {"head": draft_model_params, "embed": target_params["embed"], "lm_head": lm_head}
 
     def _encode(self, draft_params, hiddens):
         return hiddens[0]

@@ -1,0 +1,125 @@
+"""Compiled programs: kept in memory by jit, on disk by XLA's persistent cache, and measured.
+
+Memory: the loop's entry points are module-level `jax.jit` functions with the `LoopSpec`
+static, so jit's own cache keeps one program per (spec, argument shapes); nothing else does.
+`jax.clear_caches()` empties it.
+
+Disk: `enable_persistent_cache()` (called by `generate` and `stream`) points JAX's persistent
+compilation cache at `$JAXSPEC_XLA_CACHE_DIR`, else `<jaxspec cache dir>/xla`
+(`checkpoints.cache_dir()`: `$JAXSPEC_CACHE_DIR` or ~/.cache/jaxspec). `JAXSPEC_XLA_CACHE_DIR=off`
+disables it; a cache directory the user already set in JAX's own config is left alone. JAX
+stores a program only when it took at least `jax_persistent_cache_min_compile_time_secs` (default
+1 s) to compile: the real models' programs, not the unit tests' tiny ones.
+
+Measurement: `CompileWatch` sums the compile-time events JAX reports through `jax.monitoring`
+while a call runs (tracing, lowering, and the XLA compile or its load from the disk cache), so
+stats can report compile seconds apart from run time without a cache of our own. When the first
+such event arrives it prints a one-line `compiling ...` notice on stderr, which
+`set_compile_notices(False)` (the CLI's --quiet) turns off.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import threading
+
+import jax
+from jax import monitoring
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
+
+from jaxspec import checkpoints
+
+XLA_CACHE_ENV = "JAXSPEC_XLA_CACHE_DIR"
+XLA_CACHE_OFF = "off"
+
+# jax.monitoring duration events that together make up a compile (jax/_src/dispatch.py):
+# tracing to a jaxpr, lowering to MLIR, and the backend compile, which on a persistent cache hit
+# is the time to read the executable back (that read is inside it, so it is not counted apart).
+COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+})
+
+_state = threading.local()
+_notices = {"enabled": True}
+_listener = {"registered": False, "lock": threading.Lock()}
+_persistent_cache: dict[str, pathlib.Path | None] = {}
+
+
+def set_compile_notices(enabled: bool) -> None:
+    """Turn the one-line `compiling ...` notice on stderr on (the default) or off."""
+    _notices["enabled"] = bool(enabled)
+
+
+def xla_cache_dir() -> pathlib.Path | None:
+    """Where compiled programs persist across runs; None when disabled."""
+    configured = os.environ.get(XLA_CACHE_ENV)
+    if configured is not None:
+        return None if configured.strip().lower() in (XLA_CACHE_OFF, "") else pathlib.Path(configured).expanduser()
+    return checkpoints.cache_dir() / "xla"
+
+
+def enable_persistent_cache() -> pathlib.Path | None:
+    """Point JAX's persistent compilation cache at `xla_cache_dir()` (once per process) and
+    return the directory in use; None when disabled. A directory already set in JAX's config wins."""
+    if "dir" in _persistent_cache:
+        return _persistent_cache["dir"]
+    already = jax.config.jax_compilation_cache_dir
+    if already:
+        directory = pathlib.Path(already)
+    else:
+        directory = xla_cache_dir()
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", str(directory))
+            # JAX decides once per process, at its first compile, whether the cache is on; an
+            # earlier compile (a model's random init, say) would have decided "off".
+            jax_compilation_cache.reset_cache()
+    _persistent_cache["dir"] = directory
+    return directory
+
+
+def _on_duration(event: str, duration: float, **_) -> None:
+    watch = getattr(_state, "watch", None)
+    if watch is not None and event in COMPILE_EVENTS:
+        watch.record(duration)
+
+
+class CompileWatch:
+    """Context manager: compile seconds spent inside it, and a notice when a compile starts.
+
+        with CompileWatch("prefill") as watch:
+            state = prefill_jit(...)
+        watch.seconds  # 0.0 when jit's cache already held the program
+    """
+
+    def __init__(self, what: str):
+        self.what = what
+        self.seconds = 0.0
+        self._announced = False
+
+    def record(self, duration: float) -> None:
+        if not self._announced:
+            self._announced = True
+            if _notices["enabled"]:
+                kept = "; later runs load it from the XLA cache" if _persistent_cache.get("dir") else ""
+                print(f"jaxspec: compiling {self.what} (once per shape in a process{kept})",
+                      file=sys.stderr, flush=True)
+        self.seconds += duration
+
+    def __enter__(self) -> "CompileWatch":
+        with _listener["lock"]:  # one listener for the process; it reports to the innermost watch
+            if not _listener["registered"]:
+                monitoring.register_event_duration_secs_listener(_on_duration)
+                _listener["registered"] = True
+        self._outer = getattr(_state, "watch", None)
+        _state.watch = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _state.watch = self._outer
+        if self._outer is not None:
+            self._outer.seconds += self.seconds

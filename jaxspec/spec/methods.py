@@ -1,0 +1,217 @@
+"""Speculation methods: the `Method` names and, for each, the builder of its proposer.
+
+One name per method everywhere: `generate(method=...)`, the CLI's `--method`, `SpecStats.method`.
+A builder checks the draft against the target on the host (vocabulary, hidden size, aux layers,
+a hybrid draft's rollback ring) and returns a `Speculation`: the method, its proposer (static,
+part of the compiled program) and the draft Model it runs. The proposer then builds the pytree
+the jitted program receives as `draft_params` (`Speculation.draft_inputs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Any
+
+from jaxspec.errors import InvalidRequestError
+from jaxspec.model import Model, layer_skip
+from jaxspec.models import eagle3, mtp, qwen35
+from jaxspec.sampling import SamplerSpec
+from jaxspec.spec import proposers
+
+MAX_DRAFT_TOKENS = 32  # beyond this a round costs far more than any acceptance can repay
+DRAFT_SAMPLING = ("sample", "argmax")
+
+
+class Method(enum.StrEnum):
+    PLAIN = "plain"  # no proposer: one token per target forward
+    NGRAM = "ngram"  # prompt lookup, model-free
+    DRAFT = "draft"  # a smaller model of the same vocabulary
+    LAYER_SKIP = "layer_skip"  # the target's own first layers
+    EAGLE3 = "eagle3"  # an EAGLE-3 head over the target's features
+    MTP = "mtp"  # a multi-token-prediction head
+
+    @classmethod
+    def parse(cls, name: "Method | str") -> "Method":
+        try:
+            return cls(name)
+        except ValueError:
+            raise InvalidRequestError(f"method must be one of {tuple(m.value for m in cls)}; got {name!r}") from None
+
+    @classmethod
+    def infer(cls, draft: Model | None) -> "Method":
+        """The method a draft implies when none is named: its head type, or a plain draft model."""
+        if draft is None:
+            return cls.PLAIN
+        config = getattr(draft, "config", None)
+        if isinstance(config, eagle3.Eagle3Config):
+            return cls.EAGLE3
+        if isinstance(config, mtp.MtpConfig):
+            return cls.MTP
+        return cls.LAYER_SKIP if getattr(draft, "exit_layer", None) is not None else cls.DRAFT
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftOptions:
+    """The request's drafting settings a builder reads (already range-checked by GenerateOptions)."""
+
+    num_draft_tokens: int  # k
+    ngram_max: int
+    ngram_min: int
+    exit_layer: int | None
+    draft_sampling: str | None  # "sample" | "argmax" | None (sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """A resolved method: its proposer (None for plain) and the draft Model that proposer runs."""
+
+    method: Method
+    proposer: proposers.Proposer | None = None
+    draft: Model | None = None
+
+    @property
+    def num_draft(self) -> int:  # k
+        return 0 if self.proposer is None else self.proposer.num_draft
+
+    def draft_inputs(self, target: Model) -> Any:
+        """What the jitted program receives as `draft_params` (None without a proposer)."""
+        if self.proposer is None:
+            return None
+        return self.proposer.draft_inputs(target.params, None if self.draft is None else self.draft.params)
+
+    def context_limits(self, target: Model) -> list[tuple[str, int]]:
+        """(whose, tokens) pairs a prompt + max_new_tokens + k must fit in."""
+        limits = [("model's", target.config.max_position_embeddings)]
+        if isinstance(self.proposer, proposers.Mtp):  # a sliding-window MTP block serves up to its window
+            limits.append(("MTP head's", self.proposer.config.block.max_position_embeddings))
+        return limits
+
+
+def _samples_drafts(sampler: SamplerSpec, options: DraftOptions) -> bool:
+    # At temperature > 0 drafts are drawn from the draft's own distribution unless asked for
+    # argmax; greedy requests always draft argmax.
+    return not sampler.greedy and options.draft_sampling != "argmax"
+
+
+def _refuse_draft(method: Method, draft: Model | None) -> None:
+    if draft is not None:
+        raise InvalidRequestError(f"method={method.value!r} takes no draft_params")
+
+
+def _plain(target: Model, draft: Model | None, options: DraftOptions, sampler: SamplerSpec) -> Speculation:
+    _refuse_draft(Method.PLAIN, draft)
+    return Speculation(Method.PLAIN)
+
+
+def _ngram(target: Model, draft: Model | None, options: DraftOptions, sampler: SamplerSpec) -> Speculation:
+    _refuse_draft(Method.NGRAM, draft)
+    if options.draft_sampling == "sample":
+        raise InvalidRequestError(
+            "prompt lookup proposes copied tokens, not samples: it has no q for draft_sampling='sample'")
+    proposer = proposers.PromptLookup(num_draft=options.num_draft_tokens, ngram_max=options.ngram_max,
+                                      ngram_min=options.ngram_min)
+    return Speculation(Method.NGRAM, proposer)
+
+
+def _with_rollback_ring(config: Any, k: int) -> Any:
+    """A hybrid (Qwen3.5) draft runs k + 1 positions past its context's length - 2 each round and
+    is set back to the new length - 2: k positions back for a row that committed one token, k + 1
+    for a row that already finished (its context no longer grows, yet the batch drafts on). Its
+    state ring must hold those k + 2 states, and its T = 2 catch-up forward must record both."""
+    if not isinstance(config, qwen35.Qwen35Config):
+        return config
+    return dataclasses.replace(config, rollback_states=max(config.rollback_states, k + 2),
+                               recorded_steps=max(config.recorded_steps, 2))
+
+
+def _draft_model(method: Method, target: Model, draft: Model, options: DraftOptions,
+                 sampler: SamplerSpec) -> Speculation:
+    if not isinstance(draft, Model):
+        raise InvalidRequestError(
+            f"draft_params must be a jaxspec Model (from jaxspec.load); got {type(draft).__name__}")
+    if isinstance(draft.config, (eagle3.Eagle3Config, mtp.MtpConfig)):
+        raise InvalidRequestError(f"method={method.value!r} needs a draft model; this draft is a "
+                                  f"{Method.infer(draft).value} head (use method={Method.infer(draft).value!r})")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise InvalidRequestError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+            f"({target.config.vocab_size}); a draft model must share the target's tokenizer")
+    k = options.num_draft_tokens
+    sample = _samples_drafts(sampler, options)
+    proposer = proposers.DraftModel(num_draft=k, config=_with_rollback_ring(draft.config, k), sample=sample,
+                                    sampler=sampler if sample else None, name=method.value)
+    return Speculation(method, proposer, draft)
+
+
+def _draft(target: Model, draft: Model | None, options: DraftOptions, sampler: SamplerSpec) -> Speculation:
+    if draft is None:
+        raise InvalidRequestError("method='draft' needs draft_params: a model from jaxspec.load")
+    return _draft_model(Method.DRAFT, target, draft, options, sampler)
+
+
+def _layer_skip(target: Model, draft: Model | None, options: DraftOptions, sampler: SamplerSpec) -> Speculation:
+    if draft is None:
+        exit_layer = options.exit_layer if options.exit_layer is not None else target.config.num_layers // 2
+        draft = layer_skip(target, exit_layer)
+    elif options.exit_layer is not None:
+        raise InvalidRequestError("pass exit_layer or a layer-skip draft_params, not both")
+    return _draft_model(Method.LAYER_SKIP, target, draft, options, sampler)
+
+
+def _check_head(target: Model, head: Model | None, config_class: type, method: Method, name: str,
+                how_to_load: str) -> Any:
+    """A draft head's config, checked against its target (hidden size, vocabulary)."""
+    if not isinstance(head, Model) or not isinstance(head.config, config_class):
+        raise InvalidRequestError(f"method={method.value!r} needs draft_params: an {name} head from {how_to_load}")
+    cfg, target_cfg = head.config, target.config
+    if cfg.dim != target_cfg.dim:
+        raise InvalidRequestError(
+            f"the {name} head's hidden_size ({cfg.dim}) differs from the target's ({target_cfg.dim})")
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise InvalidRequestError(
+            f"the {name} head's vocabulary ({cfg.vocab_size}) differs from the target's ({target_cfg.vocab_size})")
+    return cfg
+
+
+def _eagle3(target: Model, head: Model | None, options: DraftOptions, sampler: SamplerSpec) -> Speculation:
+    cfg = _check_head(target, head, eagle3.Eagle3Config, Method.EAGLE3, "EAGLE-3", "jaxspec.load(HEAD_DIR)")
+    layers = target.config.num_layers
+    aux = cfg.resolved_aux_layers(layers)
+    if len(aux) != 3 or any(not 0 <= i < layers for i in aux):
+        raise InvalidRequestError(
+            f"EAGLE-3 aux layer ids {aux} must be three layer indices in [0, {layers}) of the target")
+    sample = _samples_drafts(sampler, options)
+    proposer = proposers.Eagle3(num_draft=options.num_draft_tokens, config=cfg, aux_layer_ids=tuple(aux),
+                                sample=sample, sampler=sampler if sample else None)
+    return Speculation(Method.EAGLE3, proposer, head)
+
+
+def _mtp(target: Model, head: Model | None, options: DraftOptions, sampler: SamplerSpec) -> Speculation:
+    cfg = _check_head(target, head, mtp.MtpConfig, Method.MTP, "MTP", "jaxspec.load_mtp(MODEL_DIR)")
+    sample = _samples_drafts(sampler, options)
+    proposer = proposers.Mtp(num_draft=options.num_draft_tokens, config=cfg, target_layers=target.config.num_layers,
+                             target_tied_embeddings=bool(target.config.tie_embeddings), sample=sample,
+                             sampler=sampler if sample else None)
+    return Speculation(Method.MTP, proposer, head)
+
+
+Builder = Callable[[Model, "Model | None", DraftOptions, SamplerSpec], Speculation]
+
+BUILDERS: dict[Method, Builder] = {
+    Method.PLAIN: _plain,
+    Method.NGRAM: _ngram,
+    Method.DRAFT: _draft,
+    Method.LAYER_SKIP: _layer_skip,
+    Method.EAGLE3: _eagle3,
+    Method.MTP: _mtp,
+}
+
+
+def build(method: Method, target: Model, draft: Model | None, options: DraftOptions,
+          sampler: SamplerSpec) -> Speculation:
+    """Check `draft` against `target` for `method` and build its proposer (host side, no tracing)."""
+    if options.exit_layer is not None and method is not Method.LAYER_SKIP:
+        raise InvalidRequestError(f"exit_layer applies to method='layer_skip' only; method is {method.value!r}")
+    return BUILDERS[method](target, draft, options, sampler)

@@ -1,0 +1,168 @@
+"""The public API (jaxspec.api): seeds, streaming, what recompiles, errors before compile, the
+compile notice, and the Qwen3.5 hybrid under every KV format and a deep layer-skip draft."""
+
+import dataclasses
+
+import jax
+import pytest
+
+import jaxspec
+from jaxspec import compilation
+from jaxspec.models import qwen35
+from jaxspec.models.qwen35 import LayerType, Qwen35Config
+
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+def test_same_seed_same_sample(tiny_model):
+    kwargs = dict(max_new_tokens=16, temperature=1.0, top_k=30, top_p=0.9, ignore_eos=True)
+    first = jaxspec.generate(tiny_model, None, PROMPTS, seed=7, **kwargs)
+    again = jaxspec.generate(tiny_model, None, PROMPTS, seed=7, **kwargs)
+    other = jaxspec.generate(tiny_model, None, PROMPTS, seed=8, **kwargs)
+    assert first.tokens == again.tokens
+    assert first.tokens != other.tokens
+
+
+def test_stream_yields_the_same_tokens(tiny_model):
+    stream = jaxspec.stream(tiny_model, PROMPTS[2], max_new_tokens=10, ignore_eos=True)
+    streamed = list(stream)
+    whole = jaxspec.generate(tiny_model, None, PROMPTS[2], max_new_tokens=10, ignore_eos=True)
+    assert streamed == whole.tokens[0] == stream.result.tokens[0]
+    assert stream.result.stats.target_forwards == 9
+
+
+def test_what_does_not_recompile(tiny_model):
+    """Within a prompt bucket and a max_new_tokens bucket, new stop tokens, EOS on or off and,
+    when sampling, min_p on or off reuse the programs already compiled."""
+    first = jaxspec.generate(tiny_model, None, [1, 2, 3], max_new_tokens=64)
+    assert first.stats.compile_seconds >= 0.0
+    for prompt, options in (([4, 5, 6, 7, 8, 9], dict(max_new_tokens=64)),
+                            ([1, 2, 3], dict(max_new_tokens=65)),
+                            ([7] * 16, dict(max_new_tokens=1)),
+                            ([1, 2, 3], dict(max_new_tokens=64, stop_token_ids=[9, 10], ignore_eos=True))):
+        again = jaxspec.generate(tiny_model, None, prompt, **options)
+        assert again.stats.compile_seconds == 0.0, (len(prompt), options)
+    jaxspec.generate(tiny_model, None, [1, 2, 3], max_new_tokens=8, temperature=0.8)
+    with_min_p = jaxspec.generate(tiny_model, None, [1, 2, 3], max_new_tokens=8, temperature=0.8, min_p=0.1)
+    assert with_min_p.stats.compile_seconds == 0.0
+
+
+def test_a_new_shape_prints_one_compiling_line_unless_silenced(tiny_model, capsys):
+    capsys.readouterr()
+    jaxspec.generate(tiny_model, None, [[1, 2]] * 5, max_new_tokens=4)  # batch 5: a new program
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxspec: compiling")]
+    assert len(lines) == 2 and "prefill" in lines[0] and "decode loop" in lines[1] and "batch 5" in lines[0]
+    jaxspec.generate(tiny_model, None, [[1, 2]] * 5, max_new_tokens=4)
+    assert "compiling" not in capsys.readouterr().err  # compiled already
+    jaxspec.set_compile_notices(False)
+    try:
+        jaxspec.generate(tiny_model, None, [[1, 2]] * 6, max_new_tokens=4)
+    finally:
+        jaxspec.set_compile_notices(True)
+    assert "compiling" not in capsys.readouterr().err
+
+
+def test_the_persistent_cache_follows_its_environment_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv(compilation.XLA_CACHE_ENV, str(tmp_path / "xla"))
+    assert compilation.xla_cache_dir() == tmp_path / "xla"
+    monkeypatch.setenv(compilation.XLA_CACHE_ENV, "off")
+    assert compilation.xla_cache_dir() is None
+    monkeypatch.delenv(compilation.XLA_CACHE_ENV)
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    assert compilation.xla_cache_dir() == tmp_path / "xla"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt=[]), "non-empty"),
+        (dict(prompt=[[1, 2], []]), "prompt 1 is empty"),
+        (dict(prompt=[1, 128]), "token id 128 outside the vocabulary"),
+        (dict(prompt=[1, -1]), "token id -1"),
+        (dict(prompt="text"), "no tokenizer"),
+        (dict(prompt=[1], max_new_tokens=0), "max_new_tokens"),
+        (dict(prompt=[1, 2], max_new_tokens=255), "exceeds the model's context of 256"),
+        (dict(prompt=[1], temperature=-0.5), "temperature must be >= 0"),
+        (dict(prompt=[1], top_p=0.0), "top_p must be in (0, 1]"),
+        (dict(prompt=[1], top_p=1.5), "top_p must be in (0, 1]"),
+        (dict(prompt=[1], top_k=-2), "top_k"),
+        (dict(prompt=[1], min_p=2.0), "min_p"),
+        (dict(prompt=[1], repetition_penalty=0.0), "repetition_penalty"),
+        (dict(prompt=[1], stop_token_ids=[999]), "stop token id 999"),
+        (dict(prompt=[1], stop="x"), "stop strings need a tokenizer"),
+        (dict(prompt=[1], max_tokens=4), "unknown generate option"),
+        (dict(prompt=[1], kv_format="q4"), "q4"),
+    ],
+)
+def test_bad_requests_fail_before_compile_with_a_clear_message(tiny_model, kwargs, message):
+    with compilation.CompileWatch("a bad request") as watch:
+        with pytest.raises(jaxspec.JaxspecError, match=message.replace("(", r"\(").replace(")", r"\)")
+                           .replace("[", r"\[").replace("]", r"\]")):
+            jaxspec.generate(tiny_model, None, **kwargs)
+    assert watch.seconds == 0.0
+
+
+def test_stream_takes_one_prompt(tiny_model):
+    with pytest.raises(jaxspec.InvalidRequestError, match="one prompt"):
+        jaxspec.stream(tiny_model, PROMPTS)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Qwen3.5 hybrid: KV formats, and a layer-skip draft deeper than the default state ring
+# ----------------------------------------------------------------------------------------------
+
+LIN, FULL = LayerType.LINEAR_ATTENTION, LayerType.FULL_ATTENTION
+# head_dim 32: the q8_0 block tiles it. rollback_states 8 (the default) is too few for k = 12.
+HYBRID = Qwen35Config(vocab_size=128, dim=64, num_layers=2, layer_types=(LIN, FULL), ffn_dim=96, num_heads=2,
+                      num_kv_heads=1, head_dim=32, rotary_dim=4, rope_theta=10000.0, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                      max_position_embeddings=256)
+HYBRID_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42, 40, 41, 42]]
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return jaxspec.Model(config=HYBRID, params=qwen35.init_params(HYBRID, jax.random.PRNGKey(0), 0.25))
+
+
+@pytest.mark.parametrize("kv_format, attention, method, k",
+                         [("q8_0", "auto", "layer_skip", 12), ("bf16", "reference", "ngram", 4)])
+def test_hybrid_speculation_equals_plain_under_the_same_kv_format(hybrid, kv_format, attention, method, k):
+    assert HYBRID.rollback_states < k + 2 or method != "layer_skip"
+    kwargs = dict(max_new_tokens=24, ignore_eos=True, kv_format=kv_format, attention=attention)
+    plain = jaxspec.generate(hybrid, None, HYBRID_PROMPTS, **kwargs)
+    spec = jaxspec.generate(hybrid, None, HYBRID_PROMPTS, method=method, num_draft_tokens=k, **kwargs)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.method == method and spec.stats.rounds > 0
+
+
+def test_a_hybrid_layer_skip_draft_gets_a_ring_for_its_k(hybrid):
+    prepared = jaxspec.prepare(hybrid, HYBRID_PROMPTS[0], method="layer_skip", num_draft_tokens=12)
+    sized, draft = prepared.speculation.proposer.config, prepared.speculation.draft.config
+    assert sized.rollback_states == 14  # k + 2: a row that already finished rolls back k + 1
+    assert draft.rollback_states == HYBRID.rollback_states  # the draft Model itself is not changed
+    assert dataclasses.replace(sized, rollback_states=HYBRID.rollback_states) == draft
+
+
+def test_generate_programs_persist_in_the_xla_cache(tmp_path):
+    """In a fresh process, after a compile that came first (the random init): the prefill and
+    decode-loop programs land in $JAXSPEC_XLA_CACHE_DIR (every program: the 1 s floor set to 0)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = (
+        "import jax, jaxspec\n"
+        "from jaxspec.models import llama\n"
+        "from tests.conftest import TINY\n"
+        "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
+        "model = jaxspec.Model(config=TINY, params=llama.init_params(TINY, jax.random.PRNGKey(0)))\n"
+        "jaxspec.generate(model, None, [1, 2, 3], max_new_tokens=4)\n"
+    )
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, compilation.XLA_CACHE_ENV: str(tmp_path / "xla"), "PYTHONPATH": str(repo)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    written = sorted(path.name.split("-")[0] for path in (tmp_path / "xla").iterdir())
+    assert "jit_prefill" in written and "jit_decode" in written, written

@@ -1,0 +1,130 @@
+"""The on-device loop (jaxspec.spec.loop) on a tiny random model: greedy against full
+recomputation, ragged batches, per-row stops, stop sequences, max_new_tokens, streaming rounds."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.cache import KVCache
+from jaxspec.models import llama
+from jaxspec.spec import loop
+from tests.conftest import TINY
+
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+forward = jax.jit(llama.forward, static_argnums=1)
+
+
+def _greedy_by_recompute(params, prompt, steps):
+    """Reference greedy: rerun the whole sequence every step from an empty cache, no cache reuse.
+
+    The sequence is right-padded to one length (causal attention never reads the padding), so
+    this compiles once, not once per length.
+    """
+    seq = list(prompt)
+    width = len(prompt) + steps
+    for _ in range(steps):
+        padded = jnp.asarray([seq + [0] * (width - len(seq))])
+        logits, _, _ = forward(params, TINY, padded, KVCache.create(TINY, 1, 64),
+                               logit_indices=jnp.array([[len(seq) - 1]]))
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    return seq[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def free_running(tiny_model):
+    """Each prompt's greedy continuation, 20 tokens, EOS ignored (one batched run)."""
+    return jaxspec.generate(tiny_model, None, PROMPTS, max_new_tokens=20, ignore_eos=True).tokens
+
+
+def test_greedy_matches_full_recompute(tiny_model):
+    result = jaxspec.generate(tiny_model, None, PROMPTS[0], max_new_tokens=24, ignore_eos=True)
+    assert result.tokens[0] == _greedy_by_recompute(tiny_model.params, PROMPTS[0], 24)
+    assert result.finish_reason == ["length"]
+    assert result.stats.new_tokens == 24 and result.stats.target_forwards == 23
+
+
+def test_batch_rows_equal_each_prompt_alone(tiny_model, free_running):
+    for row, prompt in enumerate(PROMPTS):
+        alone = jaxspec.generate(tiny_model, None, prompt, max_new_tokens=20, ignore_eos=True)
+        assert free_running[row] == alone.tokens[0]
+
+
+def test_eos_stops_a_row_and_keeps_the_eos(tiny_model, free_running):
+    free = free_running[1]
+    stop_token = free[5]
+    first_hit = free.index(stop_token)
+    result = jaxspec.generate(tiny_model, None, PROMPTS[1], max_new_tokens=20, stop_token_ids=[stop_token],
+                              ignore_eos=True)
+    assert result.tokens[0] == free[: first_hit + 1]
+    assert result.finish_reason == ["stop"]
+
+
+def test_multi_token_stop_sequence_on_device(tiny_model, free_running):
+    free = free_running[0]
+    sequence = tuple(free[6:9])
+    prepared = jaxspec.prepare(tiny_model, PROMPTS[0], max_new_tokens=20, ignore_eos=True)
+    spec = dataclasses.replace(prepared.spec, stop_sequences=(sequence,))
+    state = loop.run_jit(tiny_model.params, None, prepared.request, spec=spec)
+    end = next(i for i in range(2, 20) if tuple(free[i - 2:i + 1]) == sequence)
+    assert loop.generated_tokens(state, 1)[0] == free[: end + 1]
+    assert int(state.finish_reason[0]) == loop.FINISH_STOP
+
+
+def test_rows_finish_independently(tiny_model, free_running):
+    stop_token = free_running[0][2]
+    result = jaxspec.generate(tiny_model, None, PROMPTS, max_new_tokens=20, stop_token_ids=[stop_token],
+                              ignore_eos=True)
+    for row in range(3):
+        free = free_running[row]
+        expected = free[: free.index(stop_token) + 1] if stop_token in free else free
+        assert result.tokens[row] == expected
+    assert result.finish_reason[0] == "stop"
+
+
+def test_prefill_then_decode_equals_one_program(tiny_model):
+    prepared = jaxspec.prepare(tiny_model, PROMPTS, max_new_tokens=12, ignore_eos=True)
+    args = (tiny_model.params, None)
+    whole = loop.run_jit(*args, prepared.request, spec=prepared.spec)
+    state = loop.prefill_jit(*args, prepared.request, spec=prepared.spec)
+    chex.assert_shape(state.tokens, (3, prepared.spec.capacity))
+    split = loop.decode_jit(*args, state, prepared.request, spec=prepared.spec)
+    chex.assert_trees_all_equal(whole.tokens, split.tokens)
+    assert loop.generated_tokens(split, 3) == loop.generated_tokens(whole, 3)
+
+
+def test_stream_step_reports_exactly_the_tokens_it_committed(tiny_model, free_running):
+    """The streaming round hands the host only the round's tokens; together they are the output."""
+    prepared = jaxspec.prepare(tiny_model, PROMPTS, tiny_model, max_new_tokens=20, ignore_eos=True,
+                               num_draft_tokens=3)
+    args = (tiny_model.params, prepared.speculation.draft_inputs(tiny_model))
+    state = loop.prefill_jit(*args, prepared.request, spec=prepared.spec)
+    streamed = [[int(t)] for t in np.asarray(state.pending)]
+    while bool(np.any(np.asarray(state.running))):
+        state, committed = loop.stream_step_jit(*args, state, prepared.request, spec=prepared.spec)
+        chex.assert_shape(committed.tokens, (3, 4))  # [B, k + 1]
+        for row in range(3):
+            streamed[row] += np.asarray(committed.tokens)[row, : int(committed.count[row])].tolist()
+    assert streamed == free_running  # a draft equal to the target accepts all: counts of 4
+
+
+@pytest.mark.parametrize("max_new", [7, 9, 10])
+def test_max_new_tokens_is_never_overshot(tiny_model, free_running, max_new):
+    result = jaxspec.generate(tiny_model, tiny_model, PROMPTS, max_new_tokens=max_new, ignore_eos=True,
+                              num_draft_tokens=4)
+    assert result.tokens == [free[:max_new] for free in free_running]
+    assert result.finish_reason == ["length"] * 3
+
+
+def test_eos_inside_accepted_drafts_ends_the_row_there(tiny_model, free_running):
+    stop = free_running[0][6]  # mid-round for k = 4 (rounds commit 5 tokens after the prefill's first)
+    kwargs = dict(ignore_eos=True, stop_token_ids=[stop], max_new_tokens=20)
+    reference = jaxspec.generate(tiny_model, None, PROMPTS, **kwargs)
+    result = jaxspec.generate(tiny_model, tiny_model, PROMPTS, num_draft_tokens=4, **kwargs)
+    assert result.tokens == reference.tokens
+    assert result.finish_reason == reference.finish_reason
+    assert result.tokens[0][-1] == stop and len(result.tokens[0]) == free_running[0].index(stop) + 1

@@ -1,0 +1,71 @@
+"""GenerateOptions (jaxspec.options): one set of defaults for generate, stream and the CLI, and
+every setting checked when the options are made, before any model is touched."""
+
+import dataclasses
+
+import pytest
+
+import jaxspec
+from jaxspec import cli
+from jaxspec.cache import KVFormat
+from jaxspec.options import GenerateOptions
+from jaxspec.pallas.flash_decode import Attention
+from jaxspec.spec.methods import Method
+
+
+def test_defaults_are_normalised():
+    options = GenerateOptions()
+    assert options.method is None and options.num_draft_tokens == 4 and options.max_new_tokens == 128
+    assert options.attention is Attention.AUTO and options.stop == () and options.stop_token_ids == ()
+    assert options.sampler.greedy and not options.sampler.top_p
+
+
+def test_names_become_enums_and_sequences_tuples():
+    options = GenerateOptions(method="ngram", kv_format=("q8_0", "q5_1"), stop="###", stop_token_ids=[5, 6])
+    assert options.method is Method.NGRAM
+    assert options.kv_format == KVFormat.parse(("q8_0", "q5_1"))
+    assert options.stop == ("###",) and options.stop_token_ids == (5, 6)
+
+
+def test_the_cli_takes_its_defaults_from_the_options():
+    defaults = vars(cli.build_parser().parse_args(["generate", "hi"]))
+    options = GenerateOptions()
+    for name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                 "num_draft_tokens"):
+        assert defaults[name] == getattr(options, name), name
+    assert defaults["attention"] == options.attention.value
+
+
+def test_every_option_is_a_keyword(tiny_model):
+    """generate and stream hand their keywords to `prepare`, which builds the options from them."""
+    every = {field.name: getattr(GenerateOptions(), field.name) for field in dataclasses.fields(GenerateOptions)}
+    assert jaxspec.prepare(tiny_model, [1, 2], **every).options == GenerateOptions()
+    assert jaxspec.prepare(tiny_model, [1, 2], **{**every, "max_new_tokens": 7}).options.max_new_tokens == 7
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_draft_tokens=33), "num_draft_tokens must be an integer in"),
+        (dict(num_draft_tokens=True), "num_draft_tokens must be an integer in"),
+        (dict(exit_layer=0), "exit_layer must be an integer >= 1"),
+        (dict(max_new_tokens=2.5), "max_new_tokens must be an integer >= 1"),
+        (dict(temperature="hot"), "temperature must be a number"),
+        (dict(temperature=[0.5, -1.0]), "temperature must be >= 0"),
+        (dict(top_k=1.5), "top_k must be an integer"),
+        (dict(seed=1.0), "seed must be an integer"),
+        (dict(stop=["ok", ""]), "stop strings must be non-empty"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids must be integers >= 0"),
+        (dict(kv_format="q3"), "q3"),
+        (dict(attention="fast"), "fast"),
+        (dict(method="beam"), "method must be one of"),
+    ],
+)
+def test_bad_settings_are_named(kwargs, message):
+    with pytest.raises(jaxspec.JaxspecError, match=message):
+        GenerateOptions(**kwargs)
+
+
+def test_unknown_options_are_named():
+    with pytest.raises(jaxspec.InvalidRequestError, match="max_tokens"):
+        GenerateOptions.from_kwargs(max_tokens=4)
