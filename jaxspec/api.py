@@ -127,8 +127,10 @@ class GenerateResult:
     stats: SpecStats
 
 
-def _as_batch(prompt, model: Model, chat: bool) -> list[list[int]]:
-    """Normalise a prompt (str, list of str, ids, batch of ids) to a list of id lists."""
+def prompt_ids(prompt, model: Model, chat: bool) -> list[list[int]]:
+    """A prompt (str, list of str, ids, batch of ids) as a list of id lists: text tokenized (with
+    the chat template when `chat`), ids checked against the vocabulary. InvalidRequestError names
+    what is wrong."""
     if isinstance(prompt, np.ndarray):
         prompt = prompt.tolist()
     if isinstance(prompt, str):
@@ -227,7 +229,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     sampler = options.sampler
     speculation = build(method, model, draft_params, options.draft_options, sampler)
     k = speculation.num_draft
-    rows = _as_batch(prompt, model, options.chat)
+    rows = prompt_ids(prompt, model, options.chat)
     longest, max_new_tokens = max(len(r) for r in rows), int(options.max_new_tokens)
     for whose, context in speculation.context_limits(model):
         if longest + max_new_tokens + k > context:

@@ -4,8 +4,9 @@
 row, `length` int32[B] says how many are committed, and a forward writes its T new tokens at each
 row's `length` without committing them; the caller commits with `advance(n)` or rolls back with
 `set_length(l)`, and nothing is copied or erased. `max_rollback` says how far behind the furthest
-committed length `set_length` may go with no forward in between (a drafter that rolls back k
-drafts a round needs max_rollback >= k); asked for more, a cache raises `StateRollbackError`
+committed length `set_length` may go with no forward in between (a drafter proposing k tokens a
+round needs max_rollback >= k + 1: a row that has finished keeps drafting, and its draft rolls
+back all k + 1 positions it wrote); asked for more, a cache raises `StateRollbackError`
 (eagerly; the hybrid cache also from inside a jitted program).
 
 `KVCache` is preallocated per-layer buffers plus per-row lengths. Rows of a batch advance

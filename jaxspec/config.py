@@ -328,24 +328,46 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(f"config.json lacks required field {missing}") from None
 
 
+def to_json_dict(cfg: Any) -> dict[str, Any]:
+    """JSON-able form of a frozen config dataclass: enums by value, tuples as lists, nested
+    dataclasses (a RopeScaling) as dicts. `from_json_dict` reads it back."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, (tuple, list)):
+            return [plain(item) for item in value]
+        if isinstance(value, dict):
+            return {key: plain(item) for key, item in value.items()}
+        return value
+
+    return {name: plain(value) for name, value in dataclasses.asdict(cfg).items()}
+
+
+def from_json_dict(config_class: type, data: Mapping[str, Any], **rebuild: Any) -> Any:
+    """`config_class` from its `to_json_dict` form: the fields every config shares (eos ids, RoPE
+    scaling) are rebuilt here, the class's own enums and tuples by `rebuild` (field -> function).
+    Raises UnsupportedModelError on fields the class does not have (a newer jaxspec wrote them)."""
+    fields = dict(data)
+    unknown = set(fields) - {field.name for field in dataclasses.fields(config_class)}
+    if unknown:
+        raise UnsupportedModelError(
+            f"config fields {sorted(unknown)} are not {config_class.__name__}'s (a newer jaxspec?)")
+    fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+    fields["rope_scaling"] = rope_scaling_from_dict(fields.get("rope_scaling"))
+    for name, function in rebuild.items():
+        if name in fields:
+            fields[name] = function(fields[name])
+    return config_class(**fields)
+
+
 def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """JSON-able form of a ModelConfig (enum by value, tuples as lists)."""
-    out = dataclasses.asdict(cfg)
-    out["architecture"] = cfg.architecture.value
-    out["eos_token_ids"] = list(cfg.eos_token_ids)
-    return out
+    """JSON-able form of a ModelConfig (what a converted directory stores)."""
+    return to_json_dict(cfg)
 
 
 def config_from_dict(data: Mapping[str, Any]) -> ModelConfig:
-    """Inverse of config_to_dict. Raises UnsupportedModelError on fields it does not know."""
-    fields = dict(data)
-    unknown = set(fields) - {field.name for field in dataclasses.fields(ModelConfig)}
-    if unknown:
-        raise UnsupportedModelError(f"config fields {sorted(unknown)} are not ModelConfig's (a newer jaxspec?)")
-    fields["architecture"] = Architecture(fields.get("architecture", Architecture.LLAMA.value))
-    fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
-    fields["rope_scaling"] = rope_scaling_from_dict(fields.get("rope_scaling"))
-    return ModelConfig(**fields)
+    """Inverse of config_to_dict (a directory written before `architecture` was stored is Llama)."""
+    return from_json_dict(ModelConfig, {"architecture": Architecture.LLAMA.value, **data}, architecture=Architecture)
 
 
 def rope_scaling_from_dict(data: Mapping[str, Any] | None) -> RopeScaling | None:

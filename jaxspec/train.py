@@ -56,7 +56,7 @@ import numpy as np
 import optax
 
 from jaxspec import checkpoints, models
-from jaxspec.api import Model, SpecStats, _as_batch, generate, lm_head_of
+from jaxspec.api import Model, SpecStats, generate, lm_head_of, prompt_ids
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 from jaxspec.models import eagle3, mtp
@@ -114,7 +114,7 @@ def read_prompts_jsonl(path: str | os.PathLike[str]) -> list[str | list[int]]:
 def tokenize_prompts(model: Model, prompts: Sequence[str | Sequence[int]], *, chat: bool = True) -> list[list[int]]:
     """Token ids per prompt (text through the chat template when `chat`), checked as `generate`
     checks its prompts."""
-    return _as_batch(list(prompts), model, chat)
+    return prompt_ids(list(prompts), model, chat)
 
 
 @dataclasses.dataclass(frozen=True)

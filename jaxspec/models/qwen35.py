@@ -25,8 +25,8 @@ everywhere. A DeltaNet layer's state cannot be "un-written", so:
   * committed states live in a small ring, `Qwen35Config.rollback_states` (R) per layer and row,
     slot = length % R, so `set_length` may also go back up to R - 1 positions behind the
     furthest committed length with no forward in between (the draft-model and layer-skip
-    proposers roll their draft back each round by up to k positions: R >= k + 1). A rollback
-    past what the ring holds cannot be served by an index and raises `StateRollbackError`
+    proposers roll their draft back each round, a finished row by all k + 1 positions it wrote:
+    R >= k + 2, which jaxspec.spec.methods sizes from the request). A rollback past what the ring holds cannot be served by an index and raises `StateRollbackError`
     (eagerly, or from inside a jitted program through a callback that only runs when it fails).
     After a chunked forward only the selected state is committed: the ring then starts there.
 Recording every state costs E*X*Y*4 bytes per position and DeltaNet layer (48 MiB per position
@@ -69,7 +69,7 @@ import numpy as np
 from flax import struct
 
 from jaxspec.cache import KVFormat, StateRollbackError
-from jaxspec.config import RopeScaling, _rope_settings, resolve_rotary_dim, rope_scaling_from_dict
+from jaxspec.config import RopeScaling, _rope_settings, from_json_dict, resolve_rotary_dim, to_json_dict
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models.family import Family, TensorSource
 from jaxspec.models.gated_deltanet import (
@@ -123,7 +123,8 @@ class Qwen35Config:
     eos_token_ids: tuple[int, ...] = ()
     # Committed DeltaNet states kept per layer and row: how far back `set_length` can roll a
     # cache with no forward in between (R - 1 positions). 1 keeps only the current state (a
-    # target never rolls back); a draft model or layer-skip draft drafting k tokens needs k + 1.
+    # target never rolls back); a draft model or layer-skip draft drafting k tokens needs k + 2
+    # (a finished row keeps drafting; jaxspec.spec.methods sizes a draft's ring from k).
     rollback_states: int = 8
     # A forward over at most this many tokens runs the recurrent form and records the state after
     # every position (commit = an index); longer ones run the chunked form and record chunk-start
@@ -391,7 +392,7 @@ def _raise_rollback(ok, target, length, oldest, steps, history):
         f"row {row}: cannot set a hybrid cache to length {target}; its DeltaNet state is kept for "
         f"lengths {reachable} only. Qwen35Config.rollback_states={int(history)} bounds a rollback to "
         f"{int(history) - 1} positions behind the furthest commit (a draft drafting k tokens per "
-        "round needs rollback_states >= k + 1), and a chunked forward (a prefill, or any T > "
+        "round needs rollback_states >= k + 2), and a chunked forward (a prefill, or any T > "
         "recorded_steps) commits one state, so a rolled-back draft needs recorded_steps >= 2")
 
 
@@ -715,23 +716,13 @@ def hf_tensors(cfg: Qwen35Config, prefix: str) -> Params:
 
 
 def config_to_dict(cfg: Qwen35Config) -> dict[str, Any]:
-    """JSON-able form of a Qwen35Config (enums by value, tuples as lists)."""
-    out = dataclasses.asdict(cfg)
-    out["layer_types"] = [kind.value for kind in cfg.layer_types]
-    out["eos_token_ids"] = list(cfg.eos_token_ids)
-    return out
+    """JSON-able form of a Qwen35Config (what a converted directory stores)."""
+    return to_json_dict(cfg)
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Qwen35Config:
     """Inverse of config_to_dict."""
-    fields = dict(data)
-    unknown = set(fields) - {field.name for field in dataclasses.fields(Qwen35Config)}
-    if unknown:
-        raise UnsupportedModelError(f"config fields {sorted(unknown)} are not Qwen35Config's (a newer jaxspec?)")
-    fields["layer_types"] = tuple(LayerType(kind) for kind in fields["layer_types"])
-    fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
-    fields["rope_scaling"] = rope_scaling_from_dict(fields.get("rope_scaling"))
-    return Qwen35Config(**fields)
+    return from_json_dict(Qwen35Config, data, layer_types=lambda kinds: tuple(LayerType(kind) for kind in kinds))
 
 
 FAMILY = Family(

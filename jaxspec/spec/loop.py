@@ -24,8 +24,9 @@ import numpy as np
 from flax import struct
 
 from jaxspec import models
-from jaxspec.cache import KVCache, KVFormat
+from jaxspec.cache import Cache, KVFormat
 from jaxspec.config import ModelConfig
+from jaxspec.models.qwen35 import Qwen35Config
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, repeat_rows, select
 from jaxspec.spec.proposers import Context, Prefill, Proposer, Verified
 from jaxspec.spec.verify import greedy_accept, positional_seen, rejection_sample
@@ -39,7 +40,7 @@ FINISH_NAMES = {RUNNING: None, FINISH_STOP: "stop", FINISH_LENGTH: "length", FIN
 class LoopSpec:
     """Everything static about a generation call: changing any of it recompiles."""
 
-    cfg: ModelConfig
+    cfg: ModelConfig | Qwen35Config  # the target trunk's config (any registered family)
     capacity: int  # S: cache slots and token-history length per row
     sampler: SamplerSpec
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stops, matched on device
@@ -98,7 +99,7 @@ class RoundStats:
 
 @struct.dataclass
 class DecodeState:
-    cache: KVCache
+    cache: Cache  # the target's: a KVCache, or a hybrid trunk's cache (jaxspec.cache.Cache)
     tokens: jax.Array  # int32[B, S]: prompt then generated tokens (EOS included if it ended the row)
     prompt_length: jax.Array  # int32[B]
     num_generated: jax.Array  # int32[B]

@@ -32,7 +32,7 @@ from flax import struct
 
 from jaxspec import models
 from jaxspec.models import eagle3, layers, mtp
-from jaxspec.cache import KVCache
+from jaxspec.cache import Cache, KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution
 
@@ -163,7 +163,7 @@ class DraftModel:
     def draft_inputs(self, target_params, draft_model_params):
         return draft_model_params
 
-    def init(self, draft_params, prefill: Prefill, capacity: int) -> KVCache:
+    def init(self, draft_params, prefill: Prefill, capacity: int) -> Cache:
         batch = prefill.prompt.shape[0]
         cache = models.create_cache(self.config, batch, capacity)
         _, _, cache = models.forward(draft_params, self.config, prefill.prompt, cache,
@@ -174,7 +174,7 @@ class DraftModel:
     def update(self, draft_params, state, verified):
         return state
 
-    def propose(self, draft_params, cache: KVCache, context: Context):
+    def propose(self, draft_params, cache: Cache, context: Context):
         last_two_at = jnp.maximum(context.length - 2, 0)[:, None] + jnp.arange(2)[None, :]  # [B, 2]
         last_two = jnp.take_along_axis(context.tokens, last_two_at, axis=1)
         cache = cache.set_length(last_two_at[:, 0])
