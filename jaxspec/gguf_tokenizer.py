@@ -110,11 +110,17 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
+@functools.cache
+def _byte_level_alphabet() -> frozenset[str]:
+    """The characters a byte-level vocabulary is spelled in (built once: a load checks ~50k tokens)."""
+    return frozenset(_bytes_to_unicode().values())
+
+
 def _byte_level_spelling(token: str) -> str:
     """A token as a byte-level vocabulary spells it; most GGUF tokens already are."""
-    alphabet = _bytes_to_unicode()
-    if set(token) <= set(alphabet.values()):
+    if _byte_level_alphabet().issuperset(token):
         return token
+    alphabet = _bytes_to_unicode()
     return "".join(alphabet[byte] for byte in token.encode("utf-8"))
 
 
