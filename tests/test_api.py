@@ -62,16 +62,6 @@ def test_a_new_shape_prints_one_compiling_line_unless_silenced(tiny_model, capsy
     assert "compiling" not in capsys.readouterr().err
 
 
-def test_the_persistent_cache_follows_its_environment_variable(monkeypatch, tmp_path):
-    monkeypatch.setenv(compilation.XLA_CACHE_ENV, str(tmp_path / "xla"))
-    assert compilation.xla_cache_dir() == tmp_path / "xla"
-    monkeypatch.setenv(compilation.XLA_CACHE_ENV, "off")
-    assert compilation.xla_cache_dir() is None
-    monkeypatch.delenv(compilation.XLA_CACHE_ENV)
-    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
-    assert compilation.xla_cache_dir() == tmp_path / "xla"
-
-
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -142,27 +132,3 @@ def test_a_hybrid_layer_skip_draft_gets_a_ring_for_its_k(hybrid):
     assert sized.rollback_states == 14  # k + 2: a row that already finished rolls back k + 1
     assert draft.rollback_states == HYBRID.rollback_states  # the draft Model itself is not changed
     assert dataclasses.replace(sized, rollback_states=HYBRID.rollback_states) == draft
-
-
-def test_generate_programs_persist_in_the_xla_cache(tmp_path):
-    """In a fresh process, after a compile that came first (the random init): the prefill and
-    decode-loop programs land in $JAXSPEC_XLA_CACHE_DIR (every program: the 1 s floor set to 0)."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    script = (
-        "import jax, jaxspec\n"
-        "from jaxspec.models import llama\n"
-        "from tests.conftest import TINY\n"
-        "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
-        "model = jaxspec.Model(config=TINY, params=llama.init_params(TINY, jax.random.PRNGKey(0)))\n"
-        "jaxspec.generate(model, None, [1, 2, 3], max_new_tokens=4)\n"
-    )
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    env = {**os.environ, compilation.XLA_CACHE_ENV: str(tmp_path / "xla"), "PYTHONPATH": str(repo)}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    written = sorted(path.name.split("-")[0] for path in (tmp_path / "xla").iterdir())
-    assert "jit_prefill" in written and "jit_decode" in written, written
