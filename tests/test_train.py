@@ -8,9 +8,6 @@ One EAGLE-3 run is shared by the module (a jit compile costs more than the train
 
 from __future__ import annotations
 
-import json
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,28 +142,6 @@ def test_feature_cache_holds_the_targets_half_and_is_built_once(toy, tmp_path):
     assert other.layers == (TOY.num_layers,) and other.features[0].shape[1] == 1  # rebuilt, not misread
     with pytest.raises(jaxspec.InvalidRequestError, match="multiple of batch_size"):
         train.cache_features(target, data, layers, directory, batch_size=8, chunk_rows=12)
-
-
-def test_self_instruct_prompts_are_fixed_distinct_and_not_spec_bench():
-    from jaxspec import self_instruct
-
-    prompts = self_instruct.topic_prompts(640)
-    assert prompts == self_instruct.topic_prompts(640) and len(set(prompts)) == 640
-    assert prompts != self_instruct.topic_prompts(640, seed=1)
-    assert sum(map(self_instruct.is_article_prompt, prompts)) > 100
-    with pytest.raises(ValueError, match="count must be in"):
-        self_instruct.topic_prompts(10 ** 6)
-    article = "Bees make honey. " * 60  # 1020 characters: cut at a sentence end
-    wrapped = self_instruct.passage_prompts([article, "too short"], 8)
-    assert len(wrapped) == 8 and all("Bees make honey." in p for p in wrapped)
-    assert all(len(p) < 700 + 200 and p.rstrip().endswith(("honey.", "passage?")) for p in wrapped)
-    with pytest.raises(ValueError, match="no passage is long enough"):
-        self_instruct.passage_prompts(["short"], 2)
-    spec_bench = pathlib.Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
-    if spec_bench.is_file():  # Spec-Bench stays the evaluation set: no prompt may come from it
-        questions = {turn for line in spec_bench.read_text().splitlines() if line.strip()
-                     for turn in json.loads(line).get("turns", [])}
-        assert not questions & set(prompts)
 
 
 def test_self_instruct_needs_a_tokenizer_and_cache_excludes_soft_labels(toy):
