@@ -17,11 +17,13 @@ def all_subclasses(cls: type) -> list[type]:
     return [sub for direct in cls.__subclasses__() for sub in (direct, *all_subclasses(direct))]
 
 
+# `import jaxspec` has imported every module that defines one (cache.StateRollbackError too).
+ALL_ERRORS = sorted(set(ERRORS_MODULE_CLASSES) | set(all_subclasses(errors.JaxspecError)), key=lambda cls: cls.__name__)
+
+
 def test_every_jaxspec_error_is_a_jaxspec_error_and_a_value_error():
-    # `import jaxspec` has imported every module that defines one (cache.StateRollbackError too).
-    found = set(ERRORS_MODULE_CLASSES) | set(all_subclasses(errors.JaxspecError))
-    assert {errors.CheckpointError, errors.UnsupportedModelError, errors.InvalidRequestError} <= found
-    for error_class in found:
+    assert {errors.CheckpointError, errors.UnsupportedModelError, errors.InvalidRequestError} <= set(ALL_ERRORS)
+    for error_class in ALL_ERRORS:
         assert issubclass(error_class, errors.JaxspecError), error_class
         assert issubclass(error_class, ValueError), error_class
         assert error_class.__doc__, f"{error_class.__name__} must say when it is raised"
@@ -42,8 +44,7 @@ def test_the_cli_reports_a_missing_model_in_one_line_and_exits_2(tmp_path, capsy
     assert line.startswith("error: ") and str(missing) in line and "not found" in line
 
 
-@pytest.mark.parametrize("error_class", sorted(set(ERRORS_MODULE_CLASSES) | set(all_subclasses(errors.JaxspecError)),
-                                               key=lambda cls: cls.__name__))
+@pytest.mark.parametrize("error_class", ALL_ERRORS, ids=lambda cls: cls.__name__)
 def test_the_cli_turns_every_jaxspec_error_into_exit_2(error_class, monkeypatch, capsys):
     def refuse(path):
         raise error_class(f"{path} is bad")
