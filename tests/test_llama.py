@@ -1,7 +1,7 @@
 """The Llama-family trunk's side of the `jaxspec.models.forward` contract: the T new K/V land at
 each row's own cache length and the length comes back unchanged; `logit_indices` picks positions;
-`hidden_layers` returns the asked residual streams in the asked order; T tokens at once equal T
-one-token steps, jitted or not. Parity with transformers is tests/test_parity_hf.py's, and cache
+`hidden_layers` returns the asked residual streams in the asked order; `positions` only rotate;
+T tokens at once equal T one-token steps, jitted or not. Parity with transformers is tests/test_parity_hf.py's, and cache
 rollback tests/test_cache.py's."""
 
 import dataclasses
@@ -118,3 +118,24 @@ def test_hidden_minus_one_is_the_embedding_and_l_is_after_the_final_norm(full_fo
     model = Model(config=tied, params=llama.init_params(tied, jax.random.PRNGKey(6)))
     _, (embedded,), _ = models.forward(model.params, tied, TOKENS, empty_cache(), hidden_layers=(-1,))
     chex.assert_trees_all_equal(embedded, lm_head_of(model)[TOKENS])
+
+
+def test_positions_default_to_the_slots_and_only_rotate(full_forward):
+    """RoPE positions are the write slots unless given. Given, they rotate Q and K and nothing
+    else: the K/V land at the same slots, a uniform shift leaves the logits alone (RoPE sees only
+    relative positions), and a gap before the last token changes only that token's logits."""
+    all_logits, _ = full_forward
+    default_cache = models.forward(tiny_params(), TINY, TOKENS, empty_cache())[2]
+    slots = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    explicit, _, _ = models.forward(tiny_params(), TINY, TOKENS, empty_cache(), positions=slots)
+    chex.assert_trees_all_close(explicit, all_logits, rtol=1e-6, atol=1e-6)
+
+    shifted, _, shifted_cache = models.forward(tiny_params(), TINY, TOKENS, empty_cache(), positions=slots + 3)
+    assert max_relative_error(shifted, all_logits) < 1e-5
+    assert written_slots(shifted_cache.keys[0]) == [list(range(T))] * B
+    assert not np.allclose(shifted_cache.keys[0], default_cache.keys[0], atol=1e-3)  # rotated further
+
+    gap = slots.at[:, -1].add(4)  # [B, T]: 0 1 2 3 8
+    gapped, _, _ = models.forward(tiny_params(), TINY, TOKENS, empty_cache(), positions=gap)
+    chex.assert_trees_all_close(gapped[:, :-1], all_logits[:, :-1], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(gapped[:, -1], all_logits[:, -1], atol=1e-3)
