@@ -1,8 +1,8 @@
 """The Llama-family trunk's side of the `jaxspec.models.forward` contract: the T new K/V land at
 each row's own cache length and the length comes back unchanged; `logit_indices` picks positions;
 `hidden_layers` returns the asked residual streams in the asked order; `positions` only rotate;
-T tokens at once equal T one-token steps, jitted or not. Parity with transformers is tests/test_parity_hf.py's, and cache
-rollback tests/test_cache.py's."""
+T tokens at once equal T one-token steps, jitted or not. Parity with transformers is
+tests/test_parity_hf.py's, and cache rollback tests/test_cache.py's."""
 
 import dataclasses
 import functools
