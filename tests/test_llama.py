@@ -49,11 +49,10 @@ class ForwardVariantsTest(chex.TestCase):
     def test_t_tokens_at_once_equal_t_one_token_steps(self):
         forward = self.variant(
             lambda params, tokens, cache: models.forward(params, TINY, tokens, cache, hidden_layers=(L,)))
-        tokens = TOKENS  # the batch shape the other tests run eagerly: its ops compile once
-        at_once, (normed_at_once,), cache_at_once = forward(tiny_params(), tokens, empty_cache())
+        at_once, (normed_at_once,), cache_at_once = forward(tiny_params(), TOKENS, empty_cache())
         cache, step_logits, step_normed = empty_cache(), [], []
-        for t in range(tokens.shape[1]):
-            logits, (normed,), cache = forward(tiny_params(), tokens[:, t:t + 1], cache)
+        for t in range(T):
+            logits, (normed,), cache = forward(tiny_params(), TOKENS[:, t:t + 1], cache)
             cache = cache.advance(jnp.ones((B,), jnp.int32))
             step_logits.append(logits)
             step_normed.append(normed)
