@@ -38,7 +38,7 @@ import numpy as np
 from results_md import peer_versions, replace_section  # bench/ is on sys.path when a bench script runs
 
 HERE = pathlib.Path(__file__).resolve().parent
-DEFAULT_QUESTIONS = HERE.parent.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+DEFAULT_QUESTIONS = HERE / "data" / "spec_bench" / "question.jsonl"
 DEFAULT_RESULTS = HERE / "RESULTS.md"
 SECTION = "## Plain decoding (bench/decode.py)"
 # One prompt (the first in file order) from each of these categories.

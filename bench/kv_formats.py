@@ -44,7 +44,7 @@ from jaxspec.models import llama  # noqa: E402
 from jaxspec.pallas import kv_quant  # noqa: E402
 from jaxspec.pallas.flash_decode import flash_decode, flash_decode_reference  # noqa: E402
 
-DEFAULT_QUESTIONS = HERE.parent.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+DEFAULT_QUESTIONS = HERE / "data" / "spec_bench" / "question.jsonl"
 DEFAULT_RESULTS = HERE / "RESULTS.md"
 SECTION = "## KV formats (bench/kv_formats.py)"
 RERUN = ". .venv/bin/activate && python bench/kv_formats.py"

@@ -62,7 +62,7 @@ from results_md import peer_versions, replace_section  # bench/ is on sys.path w
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loading bars in the log
 HERE = pathlib.Path(__file__).resolve().parent
-DEFAULT_QUESTIONS = HERE.parent.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+DEFAULT_QUESTIONS = HERE / "data" / "spec_bench" / "question.jsonl"
 DEFAULT_RESULTS = HERE / "RESULTS.md"
 DEFAULT_PLOT = HERE / "spec_speedup.png"
 SECTION = "## Speculative decoding (bench/spec.py)"

@@ -33,7 +33,8 @@ def layer_skip(model: Model, exit_layer: int) -> Model:
     """Self-speculation draft: the target's first `exit_layer` layers, then its final norm and
     head (LayerSkip; HF's `assistant_early_exit`). Shares the target's weight arrays."""
     num_layers = model.config.num_layers
-    if not isinstance(exit_layer, (int, np.integer)) or not 1 <= exit_layer < num_layers:
+    is_integer = isinstance(exit_layer, (int, np.integer)) and not isinstance(exit_layer, bool)
+    if not is_integer or not 1 <= exit_layer < num_layers:
         raise InvalidRequestError(f"exit_layer must be an integer in [1, {num_layers}); got {exit_layer!r}")
     params = {name: value for name, value in model.params.items() if name != "layers"}
     params["layers"] = list(model.params["layers"][:exit_layer])

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxspec.errors import InvalidRequestError
+
 TOPICS = (
     # science and technology
     "photosynthesis", "black holes", "the water cycle", "volcanoes", "earthquakes", "climate change",
@@ -140,7 +142,7 @@ def topic_prompts(count: int, seed: int = 0) -> list[str]:
     pool += [_word_problem(rng) for _ in range(len(TOPICS) * 2)]
     pool = list(dict.fromkeys(pool))  # drop repeated word problems, keep the order
     if not 1 <= count <= len(pool):
-        raise ValueError(f"count must be in [1, {len(pool)}]; got {count}")
+        raise InvalidRequestError(f"count must be in [1, {len(pool)}]; got {count}")
     order = rng.permutation(len(pool))[:count]
     return [pool[i] for i in order]
 
@@ -164,7 +166,7 @@ def passage_prompts(passages: Sequence[str], count: int, seed: int = 0, max_char
         if len(text) >= 120:  # too short to summarise
             cut.append(text)
     if not cut:
-        raise ValueError("no passage is long enough (120 characters) to build a stage-2 prompt from")
+        raise InvalidRequestError("no passage is long enough (120 characters) to build a stage-2 prompt from")
     templates = [template for group in PASSAGE_TEMPLATES.values() for template in group]
     prompts = []
     for index in range(count):

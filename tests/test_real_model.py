@@ -122,9 +122,7 @@ def _shortest_spec_bench(model, category: str, count: int) -> list[str]:
     import json
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
-    if not path.is_file():
-        pytest.skip(f"Spec-Bench questions not found at {path}")
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "data" / "spec_bench" / "question.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     prompts = [row["turns"][0] for row in rows if row["category"] == category]
     return sorted(prompts, key=lambda p: len(model.tokenizer.encode_chat(p)))[:count]

@@ -2,6 +2,9 @@
 templates, topics, coding tasks and word problems written in the module (nothing else), and the
 stage-2 prompts wrap the target's own answers, cut to size, in every passage task."""
 
+import json
+import pathlib
+
 import pytest
 
 from jaxspec import self_instruct
@@ -94,3 +97,12 @@ def test_a_long_passage_is_cut_at_a_sentence_end_within_max_chars():
 def test_passage_prompts_need_one_long_enough_passage():
     with pytest.raises(ValueError, match="no passage is long enough"):
         self_instruct.passage_prompts(["short", "x" * 119], 2)
+
+
+def test_no_training_prompt_is_a_spec_bench_question(prompts):
+    # Spec-Bench is the held-out evaluation set (bench/data/spec_bench): no prompt may come from it.
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "data" / "spec_bench" / "question.jsonl"
+    questions = {turn.strip() for line in path.read_text().splitlines() if line.strip()
+                 for turn in json.loads(line)["turns"]}
+    assert len(questions) > 480  # 480 questions, the MT-bench ones with two turns: the file was read
+    assert not questions & {prompt.strip() for prompt in prompts}
