@@ -135,8 +135,7 @@ def layer_skip(model: Model, exit_layer: int) -> Model:
     layers = model.config.num_layers
     if not isinstance(exit_layer, (int, np.integer)) or not 1 <= exit_layer < layers:
         raise InvalidRequestError(f"exit_layer must be an integer in [1, {layers}); got {exit_layer!r}")
-    params = {name: value for name, value in model.params.items() if name != "layers"}
-    params["layers"] = list(model.params["layers"][:exit_layer])
+    params = dataclasses.replace(model.params, layers=model.params.layers[:exit_layer])
     config = dataclasses.replace(model.config, num_layers=int(exit_layer))
     return Model(config=config, params=params, tokenizer=model.tokenizer,
                  source=f"layer_skip({model.source}, exit_layer={exit_layer})")
@@ -296,7 +295,7 @@ def _mtp_proposer(model: Model, head: Model, k: int, draft_sampling, sampler) ->
 
 def lm_head_of(model: Model) -> jax.Array:
     """The target's output projection [V, D]: its embedding when tied. An MTP head speaks through it."""
-    return model.params["embed"] if model.config.tie_embeddings else model.params["lm_head"]
+    return model.params.embed if model.config.tie_embeddings else model.params.lm_head
 
 
 def _draft_arguments(model: Model, prepared: "_Prepared"):
@@ -305,9 +304,9 @@ def _draft_arguments(model: Model, prepared: "_Prepared"):
     if prepared.draft is None:
         return None
     if prepared.method == "eagle3":
-        return {"head": prepared.draft.params, "embed": model.params["embed"]}
+        return {"head": prepared.draft.params, "embed": model.params.embed}
     if prepared.method == "mtp":
-        return {"head": prepared.draft.params, "embed": model.params["embed"], "lm_head": lm_head_of(model)}
+        return {"head": prepared.draft.params, "embed": model.params.embed, "lm_head": lm_head_of(model)}
     return prepared.draft.params
 
 
