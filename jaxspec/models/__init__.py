@@ -10,6 +10,9 @@ registered here. Every trunk honours one contract:
 writing the T new tokens at each row's `cache.length` without advancing it; the caller commits
 with `cache.advance(n)` / `cache.set_length(...)` (rollback by length, DESIGN.md contract 2).
 
+Params are typed pytrees (`flax.struct` dataclasses, jaxspec.models.params) whose fields carry
+their logical axis names; a family's `param_shapes` and checkpoint tensor trees are the same types.
+
 The same registry is how the checkpoint readers find a family: by config type, by HF
 `model_type`, by GGUF `general.architecture`, or by the name a converted directory records.
 """

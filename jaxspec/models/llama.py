@@ -7,8 +7,9 @@ logits head; this module holds the family's parameter layout and its forward.
 Layout, and why: weights stay `[out, in]` as HF and GGUF store them, and activations inside the
 trunk are feature-major, `[D, B*T]`, so every projection is `W @ h`. On XLA CPU that is the
 spelling whose cost grows slowest with T (T = 8 costs ~1.8x T = 1, against ~3.3x for `x @ W`;
-measured on this trunk), and speculative verification is a T = k+1 forward. Layers are a Python list
-(unrolled under jit): slicing a stacked `[L, ...]` weight per layer measured 9x slower here.
+measured on this trunk), and speculative verification is a T = k+1 forward. Layers are a tuple
+of per-layer params (unrolled under jit): slicing a stacked `[L, ...]` weight per layer measured
+9x slower here.
 
 Params: `LlamaParams` (float32 unless a loader says otherwise), each field's shape and logical
 axes declared on the type (jaxspec.models.params); a layer is `layers.LlamaLayer`. `params_from`
@@ -57,7 +58,6 @@ from jaxspec.models.params import param
 from jaxspec.pallas.flash_decode import Attention
 
 
-
 @struct.dataclass
 class LlamaParams:
     """A Llama-family trunk's params."""
@@ -91,14 +91,11 @@ def params_from(cfg: ModelConfig, leaf: Callable[[str, int | None], Any]) -> Lla
     embed, final_norm, lm_head), asked in checkpoint order: embed, layer by layer, the rest."""
     return LlamaParams(
         embed=leaf("embed", None),
-        layers=tuple(layer_from(cfg, functools.partial(_at_layer, leaf, index)) for index in range(cfg.num_layers)),
+        layers=tuple(layer_from(cfg, lambda name, index=index: leaf(name, index))
+                     for index in range(cfg.num_layers)),
         final_norm=leaf("final_norm", None),
         lm_head=None if cfg.tie_embeddings else leaf("lm_head", None),
     )
-
-
-def _at_layer(leaf: Callable[[str, int | None], Any], index: int, name: str) -> Any:
-    return leaf(name, index)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> LlamaParams:

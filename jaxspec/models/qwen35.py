@@ -558,15 +558,11 @@ def params_from(cfg: Qwen35Config, leaf: Callable[[str, int | None], Any]) -> Qw
     embed, final_norm, lm_head), asked in checkpoint order: embed, layer by layer, the rest."""
     return Qwen35Params(
         embed=leaf("embed", None),
-        layers=tuple(layer_from(kind, functools.partial(_at_layer, leaf, index))
+        layers=tuple(layer_from(kind, lambda name, index=index: leaf(name, index))
                      for index, kind in enumerate(cfg.layer_types)),
         final_norm=leaf("final_norm", None),
         lm_head=None if cfg.tie_embeddings else leaf("lm_head", None),
     )
-
-
-def _at_layer(leaf: Callable[[str, int | None], Any], index: int, name: str) -> Any:
-    return leaf(name, index)
 
 
 def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Qwen35Params:
