@@ -18,7 +18,7 @@ import pytest
 from jaxspec import models
 from jaxspec.checkpoints import store
 from jaxspec.config import Architecture, ModelConfig
-from jaxspec.errors import CheckpointError
+from jaxspec.errors import CheckpointError, InvalidRequestError
 from jaxspec.models import eagle3, llama, mtp, qwen35
 from jaxspec.models.params import is_axes, logical_axes
 
@@ -109,6 +109,13 @@ def test_a_jitted_forward_takes_and_returns_the_typed_params_unchanged(name):
     chex.assert_trees_all_equal_structs(returned, params)
     assert type(returned) is type(params)
     chex.assert_trees_all_equal(returned, params)
+
+
+def test_a_forward_on_untyped_params_is_refused_by_name():
+    cfg = TRUNKS["llama-untied"]
+    untyped = {"embed": np.zeros((cfg.vocab_size, cfg.dim), np.float32)}
+    with pytest.raises(InvalidRequestError, match="llama params must be a LlamaParams; got dict"):
+        models.forward(untyped, cfg, jnp.zeros((1, 1), jnp.int32), models.create_cache(cfg, 1, 4))
 
 
 @pytest.mark.parametrize("name", sorted(TRUNKS))

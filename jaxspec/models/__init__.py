@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jaxspec.errors import UnsupportedModelError
+from jaxspec.errors import InvalidRequestError, UnsupportedModelError
 from jaxspec.models import llama, qwen35
 from jaxspec.models.family import Family
 
@@ -79,7 +79,11 @@ def family_for_gguf(architecture: str, source: str) -> Family:
 
 
 def forward(params, cfg, tokens, cache, **kwargs):
-    return family_of(cfg).forward(params, cfg, tokens, cache, **kwargs)
+    family = family_of(cfg)
+    if not isinstance(params, family.params_class):  # at trace time: before anything compiles
+        raise InvalidRequestError(
+            f"{family.name} params must be a {family.params_class.__name__}; got {type(params).__name__}")
+    return family.forward(params, cfg, tokens, cache, **kwargs)
 
 
 def create_cache(cfg, batch: int, capacity: int, **kwargs):

@@ -43,6 +43,7 @@ class Family:
 
     name: str  # the family's name, written into converted directories
     config_class: type
+    params_class: type  # the params dataclass (jaxspec.models.params) its forward takes
     forward: Callable[..., Any]  # the trunk contract of jaxspec.models
     create_cache: Callable[..., Any]  # (cfg, batch, capacity, **options) -> cache
     # HF: the config.json `model_type`s claimed, their parse, and the trunk's tensor-name prefixes

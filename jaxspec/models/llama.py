@@ -344,6 +344,7 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
 FAMILY = Family(
     name="llama",
     config_class=ModelConfig,
+    params_class=LlamaParams,
     forward=forward,
     create_cache=KVCache.create,
     hf_model_types=tuple(HF_MODEL_TYPES),

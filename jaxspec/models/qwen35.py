@@ -787,6 +787,7 @@ def config_from_dict(data: Mapping[str, Any]) -> Qwen35Config:
 FAMILY = Family(
     name="qwen3_5",
     config_class=Qwen35Config,
+    params_class=Qwen35Params,
     forward=forward,
     create_cache=Qwen35Cache.create,
     hf_model_types=HF_MODEL_TYPES,
