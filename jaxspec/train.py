@@ -327,18 +327,25 @@ def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: 
     Drawn with numpy on the host (shapes from the model module's own init, traced abstractly):
     jax.random here would cost a compile longer than a short training run.
     """
-    init = eagle3.init_params if method is Method.EAGLE3 else mtp.init_params
-    shapes = jax.eval_shape(lambda key: init(head_cfg, key), jax.random.PRNGKey(0))
     rng = np.random.default_rng([seed, 0x4EAD])
-
-    def draw(path, leaf):
-        if path[-1].name.endswith("norm"):  # input_layernorm, hnorm, post_norm, q_norm, ...
-            return np.ones(leaf.shape, np.float32)
-        return (scale * rng.standard_normal(leaf.shape)).astype(np.float32)
-
-    params = jax.tree_util.tree_map_with_path(draw, shapes)
+    key = jax.random.PRNGKey(0)
     if method is Method.EAGLE3:
-        params = dataclasses.replace(params, d2t=np.asarray(vocab.d2t, np.int32))
+        shapes = eagle3.named_leaves(jax.eval_shape(lambda key: eagle3.init_params(head_cfg, key), key))
+    else:
+        shapes = mtp.named_leaves(jax.eval_shape(lambda key: mtp.init_params(head_cfg, key), key), head_cfg)
+
+    def draw(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name.endswith("norm"):  # input_layernorm, hnorm, post_norm, block.q_norm, ...
+            return np.ones(shape, np.float32)
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    # Drawn in sorted name order (d2t's draw included, then replaced), so a seed keeps its head.
+    drawn = {name: draw(name, shapes[name].shape) for name in sorted(shapes)}
+    if method is Method.EAGLE3:
+        drawn["d2t"] = np.asarray(vocab.d2t, np.int32)
+        params = eagle3.params_from(drawn.__getitem__)
+    else:
+        params = mtp.params_from(head_cfg, drawn.__getitem__)
     return jax.tree.map(jnp.asarray, params)
 
 
