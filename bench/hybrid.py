@@ -33,6 +33,7 @@ import numpy as np
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.models import llama, qwen35
+from jaxspec.models.params import is_shape
 from jaxspec.models.qwen35 import DeltaRule, LayerType, Qwen35Cache, Qwen35Config
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -50,17 +51,7 @@ HYBRID = Qwen35Config(
 
 
 def param_count(shapes) -> int:
-    return sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
-
-
-def llama_shapes(cfg: ModelConfig) -> dict:
-    D, N, K, H, F = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
-    layer = {"attn_norm": (D,), "q_proj": (N * H, D), "k_proj": (K * H, D), "v_proj": (K * H, D),
-             "o_proj": (D, N * H), "mlp_norm": (D,), "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}
-    shapes = {"embed": (cfg.vocab_size, D), "layers": [layer] * cfg.num_layers, "final_norm": (D,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head"] = (cfg.vocab_size, D)
-    return shapes
+    return sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=is_shape))
 
 
 def matching_llama(hybrid: Qwen35Config) -> ModelConfig:
@@ -69,7 +60,7 @@ def matching_llama(hybrid: Qwen35Config) -> ModelConfig:
                        num_heads=hybrid.num_heads, num_kv_heads=hybrid.num_kv_heads, head_dim=hybrid.head_dim,
                        ffn_dim=hybrid.ffn_dim, rotary_dim=hybrid.head_dim, rope_theta=hybrid.rope_theta,
                        max_position_embeddings=hybrid.max_position_embeddings, tie_embeddings=hybrid.tie_embeddings)
-    extra = param_count(qwen35.param_shapes(hybrid)) - param_count(llama_shapes(base))
+    extra = param_count(qwen35.param_shapes(hybrid)) - param_count(llama.param_shapes(base))
     ffn = hybrid.ffn_dim + round(extra / (3 * hybrid.dim * hybrid.num_layers) / 64) * 64
     return dataclasses.replace(base, ffn_dim=ffn)
 
@@ -92,8 +83,7 @@ def nbytes(tree) -> int:
 
 
 def abstract_params(cfg: Qwen35Config):
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), qwen35.param_shapes(cfg),
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), qwen35.param_shapes(cfg), is_leaf=is_shape)
 
 
 def verify_bytes(cfg: Qwen35Config, steps: int, capacity: int = 64) -> dict[str, int]:
@@ -197,7 +187,7 @@ def build_section(args, llama_cfg, bytes_rows, real_cfg, real_rows, time_rows) -
                  f"heads x {hybrid.linear_key_head_dim}x{hybrid.linear_value_head_dim} state, "
                  f"{param_count(qwen35.param_shapes(hybrid)) / 1e6:.1f}M params. Llama of equal size: same D, L, "
                  f"heads (N={llama_cfg.num_heads}, K={llama_cfg.num_kv_heads}, H={llama_cfg.head_dim}), F={llama_cfg.ffn_dim}, "
-                 f"{param_count(llama_shapes(llama_cfg)) / 1e6:.1f}M params. Rollback ring R = "
+                 f"{param_count(llama.param_shapes(llama_cfg)) / 1e6:.1f}M params. Rollback ring R = "
                  f"{hybrid.rollback_states} states per DeltaNet layer.")
     lines.append("")
     lines.append("Rollback bytes per row. *Recorded per verify*: what a T-token verify forward keeps so the "

@@ -184,8 +184,8 @@ def head_step_cost(model, head, capacity: int, length: int, calls: int, iters: i
 
         return jax.lax.fori_loop(0, iters, body, (cache, feature, jnp.zeros((), jnp.float32)))[2]
 
-    timed(loop, head.params, model.params["embed"], extra, cache)  # compile
-    return median(timed(loop, head.params, model.params["embed"], extra, cache)[1] / iters for _ in range(calls))
+    timed(loop, head.params, model.params.embed, extra, cache)  # compile
+    return median(timed(loop, head.params, model.params.embed, extra, cache)[1] / iters for _ in range(calls))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,10 +216,10 @@ def _early_exit_predict(params, tokens, *, cfg, exits):
     cache = KVCache.create(cfg, 1, tokens.shape[1])
     _, hiddens, _ = llama.forward(params, cfg, tokens, cache, hidden_layers=tuple(e - 1 for e in exits),
                                   logit_indices=jnp.zeros((1, 1), jnp.int32))
-    head = layers.output_head(params, tied=cfg.tie_embeddings)
+    head = layers.output_head(params.embed, params.lm_head)
     out = []
     for h in hiddens:  # [1, T, D]
-        normed = layers.rms_norm(h[0], params["final_norm"], cfg.norm_eps, axis=1)  # [T, D]
+        normed = layers.rms_norm(h[0], params.final_norm, cfg.norm_eps, axis=1)  # [T, D]
         out.append(jnp.argmax(normed @ head.T, axis=-1))
     return out
 

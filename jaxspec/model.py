@@ -36,8 +36,7 @@ def layer_skip(model: Model, exit_layer: int) -> Model:
     is_integer = isinstance(exit_layer, (int, np.integer)) and not isinstance(exit_layer, bool)
     if not is_integer or not 1 <= exit_layer < num_layers:
         raise InvalidRequestError(f"exit_layer must be an integer in [1, {num_layers}); got {exit_layer!r}")
-    params = {name: value for name, value in model.params.items() if name != "layers"}
-    params["layers"] = list(model.params["layers"][:exit_layer])
+    params = dataclasses.replace(model.params, layers=model.params.layers[:exit_layer])
     config = dataclasses.replace(model.config, num_layers=int(exit_layer))
     return Model(config=config, params=params, tokenizer=model.tokenizer,
                  source=f"layer_skip({model.source}, exit_layer={exit_layer})", exit_layer=int(exit_layer))
@@ -45,4 +44,4 @@ def layer_skip(model: Model, exit_layer: int) -> Model:
 
 def lm_head_of(model: Model) -> jax.Array:
     """The target's output projection [V, D]: its embedding when tied. An MTP head speaks through it."""
-    return layers.output_head(model.params, tied=model.config.tie_embeddings)
+    return layers.output_head(model.params.embed, model.params.lm_head)

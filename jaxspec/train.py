@@ -61,7 +61,8 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 from jaxspec.models import eagle3, mtp
 
-Params = dict[str, Any]
+HeadParams = eagle3.Eagle3Params | mtp.MtpParams  # the trained head's own params
+Frozen = dict[str, jax.Array]  # the target's arrays a head step reads beside them (embed, lm_head, vocab maps)
 
 DATA_FILE = "train_data.npz"
 RUN_FILE = "train_run.json"
@@ -317,7 +318,7 @@ def mtp_config_for(target_cfg) -> mtp.MtpConfig:
     return mtp.MtpConfig(block=dataclasses.replace(target_cfg, num_layers=1))
 
 
-def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: int, scale: float = 0.02) -> Params:
+def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: int, scale: float = 0.02) -> HeadParams:
     """Initial head params: weights N(0, scale^2) (the lm_head included, as EAGLE-3's trainers
     start it: copying the target's rows makes a fresh head confidently wrong), norms one, and an
     EAGLE-3 head's d2t from the draft vocabulary. The embedding (and MTP's lm_head) stay the
@@ -326,19 +327,25 @@ def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: 
     Drawn with numpy on the host (shapes from the model module's own init, traced abstractly):
     jax.random here would cost a compile longer than a short training run.
     """
-    init = eagle3.init_params if method is Method.EAGLE3 else mtp.init_params
-    shapes = jax.eval_shape(lambda key: init(head_cfg, key), jax.random.PRNGKey(0))
     rng = np.random.default_rng([seed, 0x4EAD])
-
-    def draw(path, leaf):
-        name = str(getattr(path[-1], "key", path[-1]))
-        if name.endswith("norm"):  # input_layernorm, hnorm, post_norm, q_norm, ...
-            return np.ones(leaf.shape, np.float32)
-        return (scale * rng.standard_normal(leaf.shape)).astype(np.float32)
-
-    params = jax.tree_util.tree_map_with_path(draw, shapes)
+    key = jax.random.PRNGKey(0)
     if method is Method.EAGLE3:
-        params["d2t"] = np.asarray(vocab.d2t, np.int32)
+        shapes = eagle3.named_leaves(jax.eval_shape(lambda key: eagle3.init_params(head_cfg, key), key))
+    else:
+        shapes = mtp.named_leaves(jax.eval_shape(lambda key: mtp.init_params(head_cfg, key), key), head_cfg)
+
+    def draw(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name.endswith("norm"):  # input_layernorm, hnorm, post_norm, block.q_norm, ...
+            return np.ones(shape, np.float32)
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    # Drawn in sorted name order (d2t's draw included, then replaced), so a seed keeps its head.
+    drawn = {name: draw(name, shapes[name].shape) for name in sorted(shapes)}
+    if method is Method.EAGLE3:
+        drawn["d2t"] = np.asarray(vocab.d2t, np.int32)
+        params = eagle3.params_from(drawn.__getitem__)
+    else:
+        params = mtp.params_from(head_cfg, drawn.__getitem__)
     return jax.tree.map(jnp.asarray, params)
 
 
@@ -435,9 +442,10 @@ class _StepSpec:
     hidden_layers: tuple[int, ...]  # the target's hidden layers the head reads
 
 
-def _trainable(params: Params) -> Params:
-    """The optimised params: all but the EAGLE-3 d2t table (integer, fixed by the data)."""
-    return {name: value for name, value in params.items() if name != "d2t"}
+def _trainable(params: HeadParams) -> HeadParams:
+    """The optimised params: all but the EAGLE-3 d2t table (integer, fixed by the data), which
+    is None in the trainable copy (the head's forward never reads it)."""
+    return dataclasses.replace(params, d2t=None) if isinstance(params, eagle3.Eagle3Params) else params
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,7 +454,7 @@ def _trainable(params: Params) -> Params:
 
 # Jitted: one program for training and validation batches alike (the head's steps compile apart).
 @functools.partial(jax.jit, static_argnames=("target_cfg", "hidden_layers"))
-def target_batch(target_params: Params, target_cfg, hidden_layers: tuple[int, ...], batch: dict[str, jax.Array],
+def target_batch(target_params: Any, target_cfg, hidden_layers: tuple[int, ...], batch: dict[str, jax.Array],
                  draft_ids: jax.Array | None = None) -> dict[str, Any]:
     """The target's half of a training batch (right-padded; padding follows each row's tokens and
     attention is causal, so it changes nothing before it):
@@ -574,7 +582,7 @@ def _shift_left(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
 
 
-def _head_step(spec: _StepSpec, params: Params, frozen: Params, tokens: jax.Array, g: jax.Array
+def _head_step(spec: _StepSpec, params: HeadParams, frozen: Frozen, tokens: jax.Array, g: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
     """One head forward over the whole sequence in a fresh cache: logits [B, T, Vd], g_next [B, T, D]."""
     batch, seq_len = tokens.shape
@@ -587,7 +595,7 @@ def _head_step(spec: _StepSpec, params: Params, frozen: Params, tokens: jax.Arra
     return logits, g_next
 
 
-def _loss_terms(params: Params, frozen: Params, targets: dict[str, Any], spec: _StepSpec) -> dict[str, jax.Array]:
+def _loss_terms(params: HeadParams, frozen: Frozen, targets: dict[str, Any], spec: _StepSpec) -> dict[str, jax.Array]:
     """Per unrolled step j: summed cross-entropy and its position count, and top-1 agreement with
     the target (correct, out of all response positions the step can reach). All float32[J].
     `targets` is `target_batch`'s output."""
@@ -647,7 +655,7 @@ def _weighted_loss(terms: dict[str, jax.Array], step_decay: float) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("params", "opt_state"))
-def _train_step(params: Params, opt_state: Any, frozen: Params, targets: dict[str, Any], *, spec: _StepSpec):
+def _train_step(params: HeadParams, opt_state: Any, frozen: Frozen, targets: dict[str, Any], *, spec: _StepSpec):
     def loss_of(trainable):
         terms = _loss_terms(trainable, frozen, targets, spec)
         return _weighted_loss(terms, spec.train.step_decay), terms
@@ -659,11 +667,11 @@ def _train_step(params: Params, opt_state: Any, frozen: Params, targets: dict[st
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def _eval_step(params: Params, frozen: Params, targets: dict[str, Any], *, spec: _StepSpec):
+def _eval_step(params: HeadParams, frozen: Frozen, targets: dict[str, Any], *, spec: _StepSpec):
     return _loss_terms(params, frozen, targets, spec)
 
 
-def _targets(target_params: Params, frozen: Params, batch: dict[str, jax.Array], spec: _StepSpec) -> dict[str, Any]:
+def _targets(target_params: Any, frozen: Frozen, batch: dict[str, jax.Array], spec: _StepSpec) -> dict[str, Any]:
     draft_ids = frozen["draft_ids"] if spec.train.soft_labels else None
     return target_batch(target_params, spec.target_cfg, spec.hidden_layers, batch, draft_ids)
 
@@ -677,7 +685,7 @@ def _summarise(terms: dict[str, np.ndarray], step_decay: float) -> dict[str, Any
     return {"loss": loss, "top1": float(top1[0]), "top1_by_step": [float(t) for t in top1]}
 
 
-def evaluate(params: Params, frozen: Params, rows: Sequence[int], targets_for, spec: _StepSpec,
+def evaluate(params: HeadParams, frozen: Frozen, rows: Sequence[int], targets_for, spec: _StepSpec,
              batch_size: int) -> dict[str, Any]:
     """Loss and top-1 agreement over data rows `rows`, summed exactly across batches (the last
     batch is padded with empty rows, so every batch has one shape). `targets_for(indices)` gives
@@ -704,7 +712,7 @@ def _checkpoint_manager(out_dir: pathlib.Path):
     return ocp.CheckpointManager((out_dir / CHECKPOINT_DIR).absolute(), options=options)
 
 
-def _state_tree(params: Params, opt_state: Any, step: int, seed: int) -> dict[str, Any]:
+def _state_tree(params: HeadParams, opt_state: Any, step: int, seed: int) -> dict[str, Any]:
     """What a checkpoint holds: params, optimizer state, step, and the data-order seed (the order
     is a function of seed and step, see batch_indices; training draws no other randomness). The
     optimizer state goes as its list of leaves: its structure (optax's named tuples) is rebuilt
@@ -713,7 +721,7 @@ def _state_tree(params: Params, opt_state: Any, step: int, seed: int) -> dict[st
             "seed": np.int64(seed)}
 
 
-def _save_checkpoint(manager, step: int, params: Params, opt_state: Any, seed: int) -> None:
+def _save_checkpoint(manager, step: int, params: HeadParams, opt_state: Any, seed: int) -> None:
     import orbax.checkpoint as ocp
 
     host = jax.device_get(_state_tree(params, opt_state, step, seed))  # a copy: the next step donates buffers
@@ -721,7 +729,7 @@ def _save_checkpoint(manager, step: int, params: Params, opt_state: Any, seed: i
     manager.wait_until_finished()
 
 
-def _restore_checkpoint(manager, step: int, params: Params, opt_state: Any, seed: int) -> tuple[Params, Any]:
+def _restore_checkpoint(manager, step: int, params: HeadParams, opt_state: Any, seed: int) -> tuple[HeadParams, Any]:
     import orbax.checkpoint as ocp
 
     template = jax.device_get(_state_tree(params, opt_state, step, seed))
@@ -797,7 +805,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     train_rows, val_rows = split(len(data), cfg.val_fraction, cfg.seed)
     head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg)
     spec = _StepSpec(train=cfg, target_cfg=target.config, head_cfg=head_cfg, hidden_layers=hidden_layers)
-    frozen = {"embed": target.params["embed"],
+    frozen = {"embed": target.params.embed,
               "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
               "target_to_draft": jnp.asarray(vocab.target_to_draft)}
     if cfg.method is Method.MTP:
@@ -854,9 +862,9 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     finally:
         manager.close()
 
-    head_params = dict(params)
+    head_params = params
     if cfg.method is Method.EAGLE3:
-        head_params["d2t"] = jnp.asarray(vocab.d2t, jnp.int32)
+        head_params = dataclasses.replace(params, d2t=jnp.asarray(vocab.d2t, jnp.int32))
     head = Model(config=head_cfg, params=head_params, source=str(out_dir))
     head_path = None
     if done == cfg.steps:
@@ -869,7 +877,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     return TrainResult(head=head, config=cfg, step=done, history=history, validation=validation, head_path=head_path)
 
 
-def _target_source(target: Model, data: Dataset, frozen: Params, spec: _StepSpec, feature_dir: pathlib.Path,
+def _target_source(target: Model, data: Dataset, frozen: Frozen, spec: _StepSpec, feature_dir: pathlib.Path,
                    progress: bool):
     """`targets_for(rows)`: the target's half of the batch of data rows `rows` (-1: an empty row),
     read from the run's FeatureCache (built on first use) or recomputed by a target forward."""

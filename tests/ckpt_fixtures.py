@@ -20,6 +20,9 @@ import jax
 import numpy as np
 import pytest
 
+from jaxspec.models.layers import AttentionParams, LlamaLayer, MlpParams
+from jaxspec.models.llama import LlamaParams
+
 QT = gguf.GGMLQuantizationType
 
 # Tiny shapes: D=64, F=128, N=4, K=2, H=16, V=128, L=2 (row lengths are whole 32-blocks).
@@ -79,37 +82,33 @@ def make_hf_checkpoint(
     return state
 
 
-def expected_params(state_dict: dict[str, np.ndarray], num_layers: int, *, tie: bool) -> dict[str, Any]:
+def expected_params(state_dict: dict[str, np.ndarray], num_layers: int, *, tie: bool) -> LlamaParams:
     """The jaxspec params pytree written out by hand from HF names."""
+
+    def optional(name: str) -> np.ndarray | None:
+        return state_dict.get(name)
+
     layers = []
     for i in range(num_layers):
         p = f"model.layers.{i}."
-        layer = {
-            "attn_norm": state_dict[p + "input_layernorm.weight"],
-            "q_proj": state_dict[p + "self_attn.q_proj.weight"],
-            "k_proj": state_dict[p + "self_attn.k_proj.weight"],
-            "v_proj": state_dict[p + "self_attn.v_proj.weight"],
-            "o_proj": state_dict[p + "self_attn.o_proj.weight"],
-            "mlp_norm": state_dict[p + "post_attention_layernorm.weight"],
-            "gate_proj": state_dict[p + "mlp.gate_proj.weight"],
-            "up_proj": state_dict[p + "mlp.up_proj.weight"],
-            "down_proj": state_dict[p + "mlp.down_proj.weight"],
-        }
-        for short in ("q", "k", "v"):
-            if p + f"self_attn.{short}_proj.bias" in state_dict:
-                layer[f"{short}_bias"] = state_dict[p + f"self_attn.{short}_proj.bias"]
-        for short in ("q", "k"):
-            if p + f"self_attn.{short}_norm.weight" in state_dict:
-                layer[f"{short}_norm"] = state_dict[p + f"self_attn.{short}_norm.weight"]
-        layers.append(layer)
-    params = {
-        "embed": state_dict["model.embed_tokens.weight"],
-        "layers": layers,
-        "final_norm": state_dict["model.norm.weight"],
-    }
-    if not tie:
-        params["lm_head"] = state_dict["lm_head.weight"]
-    return params
+        attention = AttentionParams(
+            q_proj=state_dict[p + "self_attn.q_proj.weight"],
+            k_proj=state_dict[p + "self_attn.k_proj.weight"],
+            v_proj=state_dict[p + "self_attn.v_proj.weight"],
+            o_proj=state_dict[p + "self_attn.o_proj.weight"],
+            q_bias=optional(p + "self_attn.q_proj.bias"),
+            k_bias=optional(p + "self_attn.k_proj.bias"),
+            v_bias=optional(p + "self_attn.v_proj.bias"),
+            q_norm=optional(p + "self_attn.q_norm.weight"),
+            k_norm=optional(p + "self_attn.k_norm.weight"),
+        )
+        mlp = MlpParams(gate_proj=state_dict[p + "mlp.gate_proj.weight"], up_proj=state_dict[p + "mlp.up_proj.weight"],
+                        down_proj=state_dict[p + "mlp.down_proj.weight"])
+        layers.append(LlamaLayer(attn_norm=state_dict[p + "input_layernorm.weight"], attention=attention,
+                                 mlp_norm=state_dict[p + "post_attention_layernorm.weight"], mlp=mlp))
+    return LlamaParams(embed=state_dict["model.embed_tokens.weight"], layers=tuple(layers),
+                       final_norm=state_dict["model.norm.weight"],
+                       lm_head=None if tie else state_dict["lm_head.weight"])
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -243,7 +242,7 @@ def hf_config(directory: pathlib.Path) -> dict[str, Any]:
     return json.loads((directory / "config.json").read_text())
 
 
-def assert_params_equal(actual: dict, expected: dict) -> None:
+def assert_params_equal(actual: Any, expected: Any) -> None:
     """Same tree, float32 jax arrays, bit-identical values."""
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):

@@ -1,22 +1,38 @@
 """Assembling a family's params from named tensors (jaxspec.checkpoints.assemble).
 
-Pure host code: a tiny family tree and a dict of arrays stand in for a checkpoint file.
+Pure host code: a tiny params type and a dict of arrays stand in for a family and a checkpoint file.
 """
 
 from __future__ import annotations
 
 import pathlib
 
+import jax
 import numpy as np
 import pytest
+from flax import struct
 
 from jaxspec.checkpoints.assemble import assemble_params
 from jaxspec.errors import CheckpointError
 from jaxspec.models.family import TensorSource
+from jaxspec.models.params import param
 
-SHAPES = {"token_embed": (4, 2), "layers": [{"norm": (2,)}, {"norm": (2,)}]}
-TENSORS = {"token_embed": TensorSource("wte"),
-           "layers": [{"norm": TensorSource(f"h.{i}.ln", lambda w: w + 1.0, f" (layer {i})")} for i in range(2)]}
+
+@struct.dataclass
+class TinyLayer:
+    norm: jax.Array = param(axes=("embed",))  # [D]
+
+
+@struct.dataclass
+class TinyParams:
+    token_embed: jax.Array = param(axes=("vocab", "embed"))  # [V, D]
+    layers: tuple[TinyLayer, ...]
+
+
+SHAPES = TinyParams(token_embed=(4, 2), layers=(TinyLayer(norm=(2,)), TinyLayer(norm=(2,))))
+TENSORS = TinyParams(token_embed=TensorSource("wte"),
+                     layers=tuple(TinyLayer(norm=TensorSource(f"h.{i}.ln", lambda w: w + 1.0, f" (layer {i})"))
+                                  for i in range(2)))
 STORED = {"wte": np.arange(8, dtype=np.float16).reshape(4, 2), "h.0.ln": np.zeros(2), "h.1.ln": np.ones(2)}
 
 
@@ -27,10 +43,11 @@ def assemble(stored: dict[str, np.ndarray]):
 
 def test_leaves_are_read_transformed_and_made_float32():
     params = assemble(STORED)
-    assert params["token_embed"].dtype == np.float32 and params["token_embed"].flags.c_contiguous
-    np.testing.assert_array_equal(params["token_embed"], STORED["wte"].astype(np.float32))
-    np.testing.assert_array_equal(params["layers"][0]["norm"], [1.0, 1.0])  # the transform ran
-    np.testing.assert_array_equal(params["layers"][1]["norm"], [2.0, 2.0])
+    assert isinstance(params, TinyParams)
+    assert params.token_embed.dtype == np.float32 and params.token_embed.flags.c_contiguous
+    np.testing.assert_array_equal(params.token_embed, STORED["wte"].astype(np.float32))
+    np.testing.assert_array_equal(params.layers[0].norm, [1.0, 1.0])  # the transform ran
+    np.testing.assert_array_equal(params.layers[1].norm, [2.0, 2.0])
 
 
 def test_a_missing_tensor_is_named_with_why_the_config_needs_it():
@@ -44,6 +61,6 @@ def test_a_tensor_of_the_wrong_shape_is_named_after_its_transform():
 
 
 def test_the_first_failure_is_the_first_tensor_in_declared_order():
-    """token_embed before the layers, as declared (jax's sorted-key order would reach "layers" first)."""
+    """token_embed before the layers, as the type declares them (sorted names would reach "layers" first)."""
     with pytest.raises(CheckpointError, match="'wte'"):
         assemble({"h.0.ln": np.zeros(3)})

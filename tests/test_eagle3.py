@@ -98,15 +98,15 @@ def test_head_matches_an_independent_torch_implementation_over_several_steps(hea
     """Absorb 7 positions of target features, then draft 4 tokens on the head's own g."""
     import torch
 
-    p = {name: _t(value) for name, value in head.params.items() if name != "d2t"}
-    embed = _t(target.params["embed"])
+    p = {name: _t(value) for name, value in eagle3.named_leaves(head.params).items() if name != "d2t"}
+    embed = _t(target.params.embed)
     rng = np.random.RandomState(0)
     features = tuple(rng.randn(1, 7, HEAD.dim).astype(np.float32) for _ in range(3))
     tokens = rng.randint(0, TARGET.vocab_size, 7)
 
     g0 = eagle3.encode(head.params, features)
     cache = eagle3.create_cache(HEAD, 1, 16)
-    logits, g_next, cache = eagle3.forward(head.params, HEAD, target.params["embed"], jnp.asarray([tokens]), g0, cache)
+    logits, g_next, cache = eagle3.forward(head.params, HEAD, target.params.embed, jnp.asarray([tokens]), g0, cache)
     cache = cache.advance(jnp.array([7]))
     ref_g0 = torch.cat([_t(f[0]) for f in features], -1) @ p["fc"].T
     ref_logits, ref_g = torch_head_steps(p, HEAD, embed, torch.tensor(tokens), ref_g0)
@@ -115,7 +115,7 @@ def test_head_matches_an_independent_torch_implementation_over_several_steps(hea
     all_tokens, all_g = list(tokens), ref_g0
     token, g = int(jnp.argmax(logits[0, -1])), g_next[:, -1]
     for step in range(4):
-        step_logits, g_next, cache = eagle3.forward(head.params, HEAD, target.params["embed"],
+        step_logits, g_next, cache = eagle3.forward(head.params, HEAD, target.params.embed,
                                                     jnp.asarray([[token]]), g[:, None], cache)
         cache = cache.advance(jnp.array([1]))
         # The reference recomputes everything: the new position pairs the previous g_next with `token`.
@@ -129,8 +129,9 @@ def test_head_matches_an_independent_torch_implementation_over_several_steps(hea
 
 def test_checkpoint_round_trip_and_d2t(head_dir, head):
     params = eagle3.init_params(HEAD, jax.random.PRNGKey(1), scale=0.2)
-    for name, value in params.items():
-        np.testing.assert_allclose(np.asarray(head.params[name]), np.asarray(value), rtol=0, atol=0)
+    loaded = eagle3.named_leaves(head.params)
+    for name, value in eagle3.named_leaves(params).items():
+        np.testing.assert_array_equal(np.asarray(loaded[name]), np.asarray(value), err_msg=name)
     assert head.config == HEAD
     ids = eagle3.to_target_ids(head.params, jnp.arange(HEAD.draft_vocab_size))
     assert len(set(np.asarray(ids).tolist())) == HEAD.draft_vocab_size
@@ -235,7 +236,7 @@ def test_eagle3_head_state_tracks_the_committed_sequence(target, head):
     _, features, _ = llama.forward(target.params, TARGET, jnp.asarray([sequence[:-1]]),
                                    KVCache.create(TARGET, 1, 64), hidden_layers=eagle3.target_hidden_layers(aux))
     proposer = proposers.Eagle3(num_draft=3, config=HEAD, aux_layer_ids=aux)
-    draft_params = {"head": head.params, "embed": target.params["embed"]}
+    draft_params = {"head": head.params, "embed": target.params.embed}
     n = len(sequence) - 1
     absorb = jax.jit(proposer._absorb)
     state = absorb(draft_params, eagle3.create_cache(HEAD, 1, 64), jnp.asarray([sequence[1:]]),
@@ -279,7 +280,7 @@ def test_aux_layer_ids_out_of_range_are_refused(target, tmp_path):
 
 def test_d2t_outside_the_target_vocabulary_is_refused(tmp_path):
     params = eagle3.init_params(HEAD, jax.random.PRNGKey(2))
-    params["d2t"] = params["d2t"].at[3].set(500)
+    params = dataclasses.replace(params, d2t=params.d2t.at[3].set(500))
     checkpoints.save_eagle3(tmp_path, HEAD, params)
     with pytest.raises(jaxspec.CheckpointError, match="draft id 3"):
         jaxspec.load(str(tmp_path))

@@ -1,7 +1,8 @@
 """Family descriptors (jaxspec.models.family) and their registry (jaxspec.models).
 
-Every registered family's trees must agree leaf for leaf: shapes, logical axes (one name per
-dimension: what sharding will read), and the tensor names each checkpoint format gives them.
+Every registered family's trees must agree leaf for leaf: the shapes and the tensor names each
+checkpoint format gives them, all instances of the family's params type (their logical axes are
+the type's, tests/test_params.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from jaxspec import models
 from jaxspec.config import Architecture, ModelConfig
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models import llama, qwen35
-from jaxspec.models.family import TensorSource, is_shape
+from jaxspec.models.family import TensorSource
+from jaxspec.models.params import is_shape
 
 LLAMA_CONFIGS = {
     "llama-untied": ModelConfig(vocab_size=32, dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
@@ -33,7 +35,6 @@ QWEN35_CONFIG = qwen35.Qwen35Config(
     linear_key_head_dim=4, linear_value_head_dim=4)
 CONFIGS = {**LLAMA_CONFIGS, "qwen3_5-hybrid": QWEN35_CONFIG}
 INIT = {ModelConfig: llama.init_params, qwen35.Qwen35Config: qwen35.init_params}
-AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "ffn", None, "linear_heads", "linear_channels"}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -41,16 +42,6 @@ def case(request):
     cfg = CONFIGS[request.param]
     params = INIT[type(cfg)](cfg, jax.random.PRNGKey(0))  # tiny: built for real, not traced
     return cfg, models.family_of(cfg), params
-
-
-def test_every_param_leaf_has_one_axis_name_per_dimension(case):
-    cfg, family, params = case
-    axes = family.param_axes(cfg)
-    assert jax.tree.structure(axes, is_leaf=is_shape) == jax.tree.structure(params)
-    for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(params),
-                                   jax.tree.leaves(axes, is_leaf=is_shape), strict=True):
-        assert len(names) == leaf.ndim, jax.tree_util.keystr(path)
-        assert set(names) <= AXIS_NAMES, (jax.tree_util.keystr(path), names)
 
 
 def test_shapes_are_what_init_params_builds(case):
@@ -79,10 +70,10 @@ def test_config_dict_round_trip(case):
 def test_llama_gguf_permutes_q_and_k_for_llama_and_mistral_only():
     cfg = LLAMA_CONFIGS["llama-untied"]
     rows = np.arange(cfg.num_heads * cfg.head_dim, dtype=np.float32)[:, None]
-    permuted_q = llama.gguf_tensors(cfg, "llama")["layers"][0]["q_proj"]
+    permuted_q = llama.gguf_tensors(cfg, "llama").layers[0].attention.q_proj
     assert not np.array_equal(permuted_q.apply(rows), rows)
-    assert llama.gguf_tensors(cfg, "qwen2")["layers"][0]["q_proj"].apply(rows) is rows
-    assert llama.gguf_tensors(cfg, "llama")["layers"][0]["v_proj"].transform is None
+    assert llama.gguf_tensors(cfg, "qwen2").layers[0].attention.q_proj.apply(rows) is rows
+    assert llama.gguf_tensors(cfg, "llama").layers[0].attention.v_proj.transform is None
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -101,11 +92,11 @@ def test_unpermute_inverts_llama_cpp_permute():
 def test_qwen35_hf_tensors_add_one_to_zero_centred_norms_only():
     tensors = qwen35.hf_tensors(QWEN35_CONFIG, "model.")
     zeros = np.zeros(4, np.float32)
-    np.testing.assert_array_equal(tensors["final_norm"].apply(zeros), zeros + 1)
-    np.testing.assert_array_equal(tensors["layers"][1]["q_norm"].apply(zeros), zeros + 1)
-    np.testing.assert_array_equal(tensors["layers"][0]["out_norm"].apply(zeros), zeros)  # gated norm: as stored
-    assert tensors["layers"][0]["conv_weight"].apply(np.zeros((6, 1, 4))).shape == (6, 4)
-    assert tensors["lm_head"].name == "lm_head.weight"  # never under the trunk's prefix
+    np.testing.assert_array_equal(tensors.final_norm.apply(zeros), zeros + 1)
+    np.testing.assert_array_equal(tensors.layers[1].attention.q_norm.apply(zeros), zeros + 1)
+    np.testing.assert_array_equal(tensors.layers[0].delta_net.out_norm.apply(zeros), zeros)  # gated norm: as stored
+    assert tensors.layers[0].delta_net.conv_weight.apply(np.zeros((6, 1, 4))).shape == (6, 4)
+    assert tensors.lm_head.name == "lm_head.weight"  # never under the trunk's prefix
 
 
 def test_registry_dispatch():

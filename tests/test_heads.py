@@ -36,7 +36,7 @@ def test_eagle3_round_trip_is_exact(tmp_path):
     assert checkpoints.is_eagle3_dir(tmp_path) and not checkpoints.is_mtp_head_dir(tmp_path)
     cfg, loaded = checkpoints.load_eagle3(tmp_path)
     assert cfg == EAGLE3
-    assert loaded["d2t"].dtype == np.int32
+    assert loaded.d2t.dtype == np.int32
     chex.assert_trees_all_equal(jax.device_get(loaded), jax.device_get(params), strict=False)
 
 
@@ -56,16 +56,16 @@ def test_eagle3_bf16_head_loads_as_float32(tmp_path):
     params = eagle3.init_params(EAGLE3, jax.random.PRNGKey(0))
     checkpoints.save_eagle3(tmp_path, EAGLE3, params, dtype=ml_dtypes.bfloat16)
     _, loaded = checkpoints.load_eagle3(tmp_path)
-    assert loaded["fc"].dtype == np.float32
-    chex.assert_trees_all_close({k: v for k, v in loaded.items() if k != "d2t"},
-                                {k: v for k, v in params.items() if k != "d2t"}, rtol=1e-2, atol=1e-3)
+    assert loaded.fc.dtype == np.float32
+    chex.assert_trees_all_close(dataclasses.replace(loaded, d2t=None), dataclasses.replace(params, d2t=None),
+                                rtol=1e-2, atol=1e-3)
 
 
 def test_eagle3_d2t_mapping_two_draft_ids_to_one_target_is_refused(tmp_path):
     params = eagle3.init_params(EAGLE3, jax.random.PRNGKey(0))
-    d2t = np.asarray(params["d2t"]).copy()
+    d2t = np.asarray(params.d2t).copy()
     d2t[1] = d2t[0] - 1  # draft id 1 now maps where draft id 0 does
-    checkpoints.save_eagle3(tmp_path, EAGLE3, {**params, "d2t": d2t})
+    checkpoints.save_eagle3(tmp_path, EAGLE3, dataclasses.replace(params, d2t=d2t))
     with pytest.raises(CheckpointError, match="two draft ids to the same target id"):
         checkpoints.load_eagle3(tmp_path)
 

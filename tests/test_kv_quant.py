@@ -161,7 +161,7 @@ def random_params(cfg, seed: int, scale: float = 0.2):
     rng = np.random.RandomState(seed)
     shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.PRNGKey(0)))
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: jnp.ones(leaf.shape) if str(path[-1].key).endswith("norm")
+        lambda path, leaf: jnp.ones(leaf.shape) if path[-1].name.endswith("norm")
         else jnp.asarray(scale * rng.randn(*leaf.shape), jnp.float32), shapes)
 
 

@@ -88,8 +88,9 @@ def test_attention_output_gate_by_hand(output_gate):
     value v = h = [1, 2] (RoPE at position 0 is the identity). The gate rows G = [[0, 0],
     [ln 3, 0]] give gate = G h = [0, ln 3], sigmoid = [1/2, 3/4]: the output is [0.5, 1.5]."""
     gate_rows = jnp.asarray([[0.0, 0.0], [math.log(3.0), 0.0]])
-    layer = {"q_proj": jnp.concatenate([IDENTITY, gate_rows]) if output_gate else IDENTITY,
-             "k_proj": IDENTITY, "v_proj": IDENTITY, "o_proj": IDENTITY}
+    layer = layers.AttentionParams(q_proj=jnp.concatenate([IDENTITY, gate_rows]) if output_gate else IDENTITY,
+                                   k_proj=IDENTITY, v_proj=IDENTITY, o_proj=IDENTITY,
+                                   q_bias=None, k_bias=None, v_bias=None, q_norm=None, k_norm=None)
     cache = KVCache.create(GATE_CFG, batch=1, capacity=4)
     h = jnp.asarray([[1.0], [2.0]])  # [D, B*T]
     cos, sin = layers.rope_tables(GATE_CFG, jnp.zeros((1, 1), jnp.int32))
@@ -103,15 +104,16 @@ def test_attention_output_gate_by_hand(output_gate):
 
 def test_swiglu_by_hand():
     # D = F = 1: down * silu(gate x) * (up x) = 3 * silu(1) * 2, silu(1) = 1 / (1 + e^-1).
-    layer = {"gate_proj": jnp.asarray([[1.0]]), "up_proj": jnp.asarray([[2.0]]), "down_proj": jnp.asarray([[3.0]])}
+    layer = layers.MlpParams(gate_proj=jnp.asarray([[1.0]]), up_proj=jnp.asarray([[2.0]]),
+                             down_proj=jnp.asarray([[3.0]]))
     out = layers.swiglu(layer, jnp.asarray([[1.0]]))
     chex.assert_trees_all_close(out, jnp.asarray([[6.0 / (1.0 + math.exp(-1.0))]]), rtol=1e-6)
 
 
 def test_output_head_is_the_embedding_when_tied():
-    params = {"embed": jnp.zeros((3, 2)), "lm_head": jnp.ones((3, 2))}
-    assert layers.output_head(params, tied=True) is params["embed"]
-    assert layers.output_head(params, tied=False) is params["lm_head"]
+    embed, lm_head = jnp.zeros((3, 2)), jnp.ones((3, 2))
+    assert layers.output_head(embed, None) is embed
+    assert layers.output_head(embed, lm_head) is lm_head
 
 
 def test_logits_head_selects_positions_per_row():

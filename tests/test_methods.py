@@ -34,7 +34,8 @@ def test_a_layer_skip_draft_passed_as_draft_params_reports_layer_skip(tiny_model
     prepared = jaxspec.prepare(tiny_model, [1, 2, 3], jaxspec.layer_skip(tiny_model, 1))
     assert prepared.speculation.method is Method.LAYER_SKIP
     assert prepared.speculation.proposer.name == "layer_skip"
-    assert prepared.speculation.draft_inputs(tiny_model)["layers"] == tiny_model.params["layers"][:1]
+    draft_inputs = prepared.speculation.draft_inputs(tiny_model)
+    assert draft_inputs.layers == tiny_model.params.layers[:1]  # the target's own first layer, not a copy
 
 
 @pytest.mark.parametrize(

@@ -123,12 +123,13 @@ def test_head_weights_are_what_transformers_reads(hf_models, head):
     _, hf_head = hf_models
     state = {name: value.numpy() for name, value in hf_head.state_dict().items()}
     layer = "layers.0."
-    for ours, theirs in (("enorm", "enorm.weight"), ("hnorm", "hnorm.weight"), ("eh_proj", "eh_proj.weight"),
-                         ("post_norm", "post_norm.weight")):
-        np.testing.assert_array_equal(np.asarray(head.params[ours]), state[layer + theirs])
-    for key, name in llama.HF_NAMES.items():
-        if key in head.params["block"]:
-            np.testing.assert_array_equal(np.asarray(head.params["block"][key]), state[f"{layer}mtp_block.{name}"])
+    ours = mtp.named_leaves(head.params, head.config)
+    for name in ("enorm", "hnorm", "eh_proj", "post_norm"):
+        np.testing.assert_array_equal(np.asarray(ours[name]), state[f"{layer}{name}.weight"])
+    block = {name.removeprefix("block."): value for name, value in ours.items() if name.startswith("block.")}
+    assert block  # attention, QK-norm and MLP, each compared below
+    for key, value in block.items():
+        np.testing.assert_array_equal(np.asarray(value), state[f"{layer}mtp_block.{llama.HF_NAMES[key]}"])
     assert head.config.num_checkpoint_layers == 1 and not head.config.hidden_first
 
 
@@ -156,7 +157,7 @@ def test_head_logits_match_mtp_model_over_chained_steps(hf_models, target, head)
     _, (features,), _ = llama.forward(target.params, cfg, jnp.asarray([SEQUENCE]), KVCache.create(cfg, 1, 32),
                                       hidden_layers=(cfg.num_layers,))
     np.testing.assert_allclose(features, hidden.numpy(), rtol=1e-4, atol=1e-5)
-    embed, lm_head = target.params["embed"], target.params["lm_head"]
+    embed, lm_head = target.params.embed, target.params.lm_head
     cache = mtp.create_cache(head.config, 1, 32)
     logits, g, cache = mtp.forward(head.params, head.config, embed, lm_head, jnp.asarray([SEQUENCE[1:]]),
                                    features[:, :-1], cache)
@@ -204,7 +205,7 @@ def test_transformers_mtp_generation_proposes_what_jaxspec_proposes(hf_models, t
     cfg = target.config
     _, (features,), _ = llama.forward(target.params, cfg, jnp.asarray([sequence]), KVCache.create(cfg, 1, 64),
                                       hidden_layers=(cfg.num_layers,))
-    logits, _, _ = mtp.forward(head.params, head.config, target.params["embed"], target.params["lm_head"],
+    logits, _, _ = mtp.forward(head.params, head.config, target.params.embed, target.params.lm_head,
                                jnp.asarray([sequence[1:]]), features[:, :-1], mtp.create_cache(head.config, 1, 64))
     teacher_forced = np.asarray(jnp.argmax(logits[0], -1))  # [n - 1]: the draft for token p + 2
     for length, candidate in proposals:

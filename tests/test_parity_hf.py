@@ -142,8 +142,9 @@ def test_partial_rotary_matches_transformers_phi3(tmp_path):
             "o_proj": sd[p + "self_attn.o_proj.weight"], "mlp_norm": sd[p + "post_attention_layernorm.weight"],
             "gate_proj": gate_up[:F], "up_proj": gate_up[F:], "down_proj": sd[p + "mlp.down_proj.weight"],
         })
-    params = {"embed": sd["model.embed_tokens.weight"], "layers": layers,
-              "final_norm": sd["model.norm.weight"], "lm_head": sd["lm_head.weight"]}
+    top = {"embed": sd["model.embed_tokens.weight"], "final_norm": sd["model.norm.weight"],
+           "lm_head": sd["lm_head.weight"]}
+    params = llama.params_from(cfg, lambda name, index: top[name] if index is None else layers[index][name])
     tokens = np.random.RandomState(4).randint(0, cfg.vocab_size, (2, 20))
     logits, _, _ = llama.forward(params, cfg, jnp.asarray(tokens, jnp.int32), KVCache.create(cfg, 2, 32))
     error = max_relative_error(logits, _hf_logits(hf_model, tokens))

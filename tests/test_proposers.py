@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import generate, prepare
-from jaxspec.models import eagle3, mtp
+from jaxspec.models import eagle3, llama, mtp
 from jaxspec.spec import loop
 from jaxspec.spec.proposers import Context, DraftModel, Eagle3, Mtp, PromptLookup
 from tests.conftest import TINY
@@ -30,21 +30,23 @@ def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
 
 
 
-def test_each_proposer_builds_its_own_draft_inputs():
-    target = {"embed": jnp.zeros((4, 2)), "lm_head": jnp.ones((4, 2)), "layers": []}
-    draft = {"layers": ["draft"]}
-    assert PromptLookup(num_draft=2).draft_inputs(target, None) is None
-    assert DraftModel(num_draft=2, config=TINY).draft_inputs(target, draft) is draft
+def test_each_proposer_builds_its_own_draft_inputs(tiny_model):
+    untied_params = tiny_model.params
+    assert untied_params.lm_head is not None
+    tied_params = dataclasses.replace(untied_params, lm_head=None)  # a tied trunk has no lm_head
+    draft = llama.init_params(dataclasses.replace(TINY, num_layers=1), jax.random.PRNGKey(1))
+    assert PromptLookup(num_draft=2).draft_inputs(untied_params, None) is None
+    assert DraftModel(num_draft=2, config=TINY).draft_inputs(untied_params, draft) is draft
     head_cfg = eagle3.Eagle3Config(dim=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=96, draft_vocab_size=96,
                                    vocab_size=128, rope_theta=10000.0, rotary_dim=16, norm_eps=1e-6,
                                    max_position_embeddings=256)
-    inputs = Eagle3(num_draft=2, config=head_cfg, aux_layer_ids=(0, 1, 1)).draft_inputs(target, draft)
-    assert inputs["head"] is draft and inputs["embed"] is target["embed"]
+    inputs = Eagle3(num_draft=2, config=head_cfg, aux_layer_ids=(0, 1, 1)).draft_inputs(untied_params, draft)
+    assert inputs["head"] is draft and inputs["embed"] is untied_params.embed
     mtp_cfg = mtp.MtpConfig(block=dataclasses.replace(TINY, num_layers=1))
-    untied = Mtp(num_draft=2, config=mtp_cfg, target_layers=2).draft_inputs(target, draft)
-    assert untied["lm_head"] is target["lm_head"] and untied["embed"] is target["embed"]
-    tied = Mtp(num_draft=2, config=mtp_cfg, target_layers=2, target_tied_embeddings=True).draft_inputs(target, draft)
-    assert tied["lm_head"] is target["embed"]
+    untied = Mtp(num_draft=2, config=mtp_cfg, target_layers=2).draft_inputs(untied_params, draft)
+    assert untied["lm_head"] is untied_params.lm_head and untied["embed"] is untied_params.embed
+    tied = Mtp(num_draft=2, config=mtp_cfg, target_layers=2).draft_inputs(tied_params, draft)
+    assert tied["lm_head"] is tied_params.embed
 
 
 def test_draft_model_proposes_its_own_argmax_chain(tiny_model):

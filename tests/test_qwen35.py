@@ -127,7 +127,7 @@ def test_config_reads_the_layer_pattern_and_rope_width(hf_case):
     assert [t.value for t in cfg.layer_types] == hf_model.config.layer_types
     assert cfg.rotary_dim == int(cfg.head_dim * hf_model.config.rope_parameters["partial_rotary_factor"])
     assert cfg.tie_embeddings == hf_model.config.tie_word_embeddings
-    assert ("lm_head" in model.params) != cfg.tie_embeddings
+    assert (model.params.lm_head is not None) != cfg.tie_embeddings
 
 
 def _prefill(model, tokens, cache):
@@ -211,13 +211,14 @@ def test_bf16_checkpoint_and_multimodal_layout_load(tmp_path):
     hf_model = _write_hf(tmp_path / "bf16", case, dtype="bfloat16", seed=5)
     ckpt = load_checkpoint(tmp_path / "bf16")
     state = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
-    np.testing.assert_array_equal(ckpt.params["embed"], state["model.embed_tokens.weight"])
-    np.testing.assert_array_equal(ckpt.params["final_norm"], 1.0 + state["model.norm.weight"])
-    layer = ckpt.params["layers"][0]
-    np.testing.assert_array_equal(layer["A_log"], state["model.layers.0.linear_attn.A_log"])
-    np.testing.assert_array_equal(layer["conv_weight"], state["model.layers.0.linear_attn.conv1d.weight"][:, 0])
-    np.testing.assert_array_equal(layer["out_norm"], state["model.layers.0.linear_attn.norm.weight"])
-    np.testing.assert_array_equal(ckpt.params["layers"][3]["q_norm"], 1.0 + state["model.layers.3.self_attn.q_norm.weight"])
+    np.testing.assert_array_equal(ckpt.params.embed, state["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(ckpt.params.final_norm, 1.0 + state["model.norm.weight"])
+    delta_net = ckpt.params.layers[0].delta_net
+    np.testing.assert_array_equal(delta_net.A_log, state["model.layers.0.linear_attn.A_log"])
+    np.testing.assert_array_equal(delta_net.conv_weight, state["model.layers.0.linear_attn.conv1d.weight"][:, 0])
+    np.testing.assert_array_equal(delta_net.out_norm, state["model.layers.0.linear_attn.norm.weight"])
+    np.testing.assert_array_equal(ckpt.params.layers[3].attention.q_norm,
+                                  1.0 + state["model.layers.3.self_attn.q_norm.weight"])
 
     multimodal = tmp_path / "vl"
     multimodal.mkdir()
@@ -635,5 +636,5 @@ def test_kv_formats_apply_to_the_attention_layers():
 
 def test_params_that_do_not_fit_the_pattern_are_refused(hybrid):
     swapped = dataclasses.replace(SPEC_CFG, layer_types=(FULL, LIN))
-    with pytest.raises(UnsupportedModelError, match=r"layer 0 lacks .* layer_types\[0\]='full_attention'"):
+    with pytest.raises(UnsupportedModelError, match=r"layer 0 is a DeltaNetLayer, but layer_types\[0\]='full_attention'"):
         qwen35.forward(hybrid.params, swapped, jnp.zeros((1, 1), jnp.int32), Qwen35Cache.create(swapped, 1, 8))

@@ -32,9 +32,9 @@ def test_hf_dir_matches_torch_state_dict(hf_dirs, variant):
 def test_hf_variants_exercise_what_they_claim(hf_dirs):
     """Guard the fixtures: bias, QK-norm, bf16 storage and sharding really are there."""
     qwen2 = checkpoints.load_checkpoint(hf_dirs["qwen2-bias"][0])
-    assert qwen2.config.attention_bias and "q_bias" in qwen2.params["layers"][0]
+    assert qwen2.config.attention_bias and qwen2.params.layers[0].attention.q_bias is not None
     qwen3 = checkpoints.load_checkpoint(hf_dirs["qwen3-qknorm-tied"][0])
-    assert qwen3.config.qk_norm and qwen3.params["layers"][0]["q_norm"].shape == (32,)
+    assert qwen3.config.qk_norm and qwen3.params.layers[0].attention.q_norm.shape == (32,)
     assert qwen3.config.head_dim == 32 != qwen3.config.dim // qwen3.config.num_heads
     assert checkpoints.info(hf_dirs["llama-bf16"][0])["tensor_types"] == {"BF16": 21}
     sharded = hf_dirs["llama-sharded"][0]

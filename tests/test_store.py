@@ -129,7 +129,7 @@ def test_converted_directory_records_its_family(converted, tiny_gguf):
 
 
 @pytest.mark.parametrize("changes, error, message", [
-    (dict(format_version=99), CheckpointError, "format_version 99; this jaxspec reads 1"),
+    (dict(format_version=99), CheckpointError, f"format_version 99; this jaxspec reads {store.FORMAT_VERSION}"),
     (dict(family="rwkv"), UnsupportedModelError, "model family 'rwkv' is not known"),
     (dict(config={"dim": 8}), CheckpointError, "holds no valid llama config"),
 ])
@@ -155,7 +155,7 @@ def test_default_model(fresh_cache, count_dequantize):
     assert cfg.architecture is Architecture.LLAMA
     assert (cfg.num_layers, cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
     assert (cfg.vocab_size, cfg.ffn_dim, cfg.rotary_dim) == (49152, 1536, 64)
-    assert cfg.tie_embeddings and "lm_head" not in ckpt.params
+    assert cfg.tie_embeddings and ckpt.params.lm_head is None
     assert cfg.rope_theta == 100000.0 and cfg.norm_eps == 1e-5
     assert (cfg.bos_token_id, cfg.eos_token_ids, cfg.max_position_embeddings) == (1, (2,), 8192)
     assert ckpt.source.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -179,18 +179,19 @@ def test_default_model(fresh_cache, count_dequantize):
     # An independent path: gguf's own reader and dequantizer, with the test's own unpermute.
     reader = gguf.GGUFReader(ckpt.source)
     by_name = {t.name: t for t in reader.tensors}
-    layer = again.params["layers"][7]
+    layer = again.params.layers[7]
     pairs = {
-        "token_embd.weight": again.params["embed"],  # Q8_0
-        "blk.7.ffn_down.weight": layer["down_proj"],  # Q4_1
-        "blk.7.attn_norm.weight": layer["attn_norm"],  # F32
-        "output_norm.weight": again.params["final_norm"],
+        "token_embd.weight": again.params.embed,  # Q8_0
+        "blk.7.ffn_down.weight": layer.mlp.down_proj,  # Q4_1
+        "blk.7.attn_norm.weight": layer.attn_norm,  # F32
+        "output_norm.weight": again.params.final_norm,
     }
     for name, got in pairs.items():
         tensor = by_name[name]
         want = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(got.shape)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
-    for name, got, heads in [("blk.7.attn_q.weight", layer["q_proj"], 9), ("blk.7.attn_k.weight", layer["k_proj"], 3)]:
+    for name, got, heads in [("blk.7.attn_q.weight", layer.attention.q_proj, 9),
+                              ("blk.7.attn_k.weight", layer.attention.k_proj, 3)]:
         tensor = by_name[name]
         stored = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         np.testing.assert_array_equal(fx.llama_cpp_permute(np.asarray(got), heads), stored, err_msg=name)

@@ -8,6 +8,8 @@ One EAGLE-3 run is shared by the module (a jit compile costs more than the train
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,16 +37,18 @@ def successor_target() -> jaxspec.Model:
     rng = np.random.default_rng(0)
     shapes = jax.eval_shape(lambda key: llama.init_params(TOY, key), jax.random.PRNGKey(0))
     params = jax.tree.map(lambda leaf: (0.2 * rng.standard_normal(leaf.shape)).astype(np.float32), shapes)
-    for layer in params["layers"]:
-        layer["attn_norm"], layer["mlp_norm"] = np.ones(TOY.dim, np.float32), np.ones(TOY.dim, np.float32)
-        layer["o_proj"] = np.zeros_like(layer["o_proj"])
-        layer["down_proj"] = np.zeros_like(layer["down_proj"])
-    params["final_norm"] = np.ones(TOY.dim, np.float32)
+    ones = np.ones(TOY.dim, np.float32)
+    layers = tuple(
+        dataclasses.replace(
+            layer, attn_norm=ones, mlp_norm=ones,
+            attention=dataclasses.replace(layer.attention, o_proj=np.zeros_like(layer.attention.o_proj)),
+            mlp=dataclasses.replace(layer.mlp, down_proj=np.zeros_like(layer.mlp.down_proj)))
+        for layer in params.layers)
     embed = rng.standard_normal((TOY.vocab_size, TOY.dim)).astype(np.float32)
-    params["embed"] = embed
     successor = (np.arange(TOY.vocab_size) + 1) % CYCLE
-    params["lm_head"] = np.zeros_like(embed)
-    np.add.at(params["lm_head"], successor, embed)
+    lm_head = np.zeros_like(embed)
+    np.add.at(lm_head, successor, embed)
+    params = dataclasses.replace(params, layers=layers, final_norm=ones, embed=embed, lm_head=lm_head)
     return jaxspec.Model(config=TOY, params=jax.tree.map(jnp.asarray, params))
 
 
@@ -102,7 +106,7 @@ def test_target_batch_features_labels_and_mask(toy):
     layers = eagle3.target_hidden_layers(head_cfg.aux_layer_ids)
     batch = data.batch(list(range(8)))  # the training batch shape: the compiled program is reused
     out = train.target_batch(target.params, TOY, layers, batch)
-    embedded = np.asarray(target.params["embed"])[np.asarray(batch["tokens"])]
+    embedded = np.asarray(target.params.embed)[np.asarray(batch["tokens"])]
     for feature in out["features"]:
         np.testing.assert_allclose(feature, embedded, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out["labels"], (np.asarray(batch["tokens"]) + 1) % CYCLE)
@@ -171,7 +175,9 @@ def test_draft_vocab_picks_the_most_frequent_answer_tokens():
     np.testing.assert_array_equal(vocab.d2t, [2, 3, 5, 6])
     np.testing.assert_array_equal(np.flatnonzero(vocab.t2d), [2, 4, 7, 9])
     np.testing.assert_array_equal(vocab.target_to_draft[[2, 4, 7, 9, 0, 5]], [0, 1, 2, 3, -1, -1])
-    mapped = eagle3.to_target_ids({"d2t": jnp.asarray(vocab.d2t, jnp.int32)}, jnp.arange(4))
+    d2t = jnp.asarray(vocab.d2t, jnp.int32)
+    head = eagle3.params_from(lambda name: d2t if name == "d2t" else None)  # the map reads d2t alone
+    mapped = eagle3.to_target_ids(head, jnp.arange(4))
     np.testing.assert_array_equal(mapped, vocab.target_ids)
     # More draft slots than seen tokens: the lowest unused ids fill in.
     np.testing.assert_array_equal(train.draft_vocab(data, 12, 7).target_ids, [0, 1, 2, 4, 5, 7, 9])

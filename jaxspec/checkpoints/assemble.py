@@ -1,10 +1,11 @@
 """What every reader returns, and how a family's params are assembled from named tensors.
 
 Every source ends in the same `Checkpoint`: a family's config and its params pytree of float32
-jax arrays in jaxspec's layout (HF's: weights `[out, in]`, rotate-half RoPE rows; the tree is
-the family's `param_shapes`), so the models never know where their weights came from. A reader
-only supplies `read(name) -> float32 numpy`; `assemble_params` walks the family's tensor tree,
-applies each leaf's transform and checks every shape against the config.
+jax arrays in jaxspec's layout (HF's: weights `[out, in]`, rotate-half RoPE rows), typed as the
+family's params dataclass (the structure of its `param_shapes`), so the models never know where
+their weights came from. A reader only supplies `read(name) -> float32 numpy`; `assemble_params`
+walks the family's tensor tree, applies each leaf's transform and checks every shape against
+the config.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxspec.errors import CheckpointError
-from jaxspec.models.family import TensorSource, is_shape
-
-Params = dict[str, Any]  # a family's params pytree (e.g. jaxspec.models.llama's docstring)
+from jaxspec.models.family import TensorSource
+from jaxspec.models.params import is_shape
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -29,7 +29,7 @@ class Checkpoint:
     """A loaded model: everything `generate` needs, whatever the source format."""
 
     config: Any  # the family's config (ModelConfig, Qwen35Config, ...)
-    params: Params  # float32 jax arrays, the family's param_shapes tree
+    params: Any  # the family's params dataclass (e.g. LlamaParams) of float32 jax arrays
     # HF or converted-from-HF directory holding the tokenizer files; or, for GGUF, the
     # `tokenizer.*` metadata keys verbatim ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", ...).
     tokenizer_source: pathlib.Path | dict[str, Any]
@@ -37,15 +37,15 @@ class Checkpoint:
 
 
 def assemble_params(
-    shapes: Params,
-    tensors: Params,
+    shapes: Any,
+    tensors: Any,
     read: Callable[[str], np.ndarray],
     *,
     available: Container[str],
     source: str,
     path: pathlib.Path,
     progress: bool,
-) -> Params:
+) -> Any:
     """The params tree as float32 numpy: each leaf read by name, transformed, shape-checked.
 
     shapes: the family's param_shapes(cfg); tensors: its TensorSource tree of the same
@@ -55,15 +55,6 @@ def assemble_params(
     """
     bar = tqdm(total=len(jax.tree.leaves(shapes, is_leaf=is_shape)), desc=f"loading {path.name}", unit="tensor",
                disable=not progress)
-
-    def build(shape_tree: Any, tensor_tree: Any) -> Any:
-        # In the family's declared order (embed, layer by layer, final norm, head), not jax's
-        # sorted-key order, so the first tensor that fails is the first a reader meets.
-        if isinstance(shape_tree, dict):
-            return {key: build(shape_tree[key], tensor_tree[key]) for key in shape_tree}
-        if isinstance(shape_tree, list):
-            return [build(shape, tensor) for shape, tensor in zip(shape_tree, tensor_tree, strict=True)]
-        return read_leaf(shape_tree, tensor_tree)
 
     def read_leaf(shape: tuple[int, ...], tensor: TensorSource) -> np.ndarray:
         if tensor.name not in available:
@@ -76,10 +67,12 @@ def assemble_params(
         return np.ascontiguousarray(array, dtype=np.float32)
 
     with bar:
-        return build(shapes, tensors)
+        # Leaves come in the params types' field order (embed, layer by layer, final norm, head),
+        # so the first tensor that fails is the first a reader meets.
+        return jax.tree.map(read_leaf, shapes, tensors, is_leaf=is_shape)
 
 
-def to_jax(params: Params) -> Params:
+def to_jax(params: Any) -> Any:
     """Host float32 params -> jax arrays on the default device.
 
     The numpy leaves are freshly made and owned by nobody else, so the CPU backend may alias

@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 
 from jaxspec import models
-from jaxspec.checkpoints.assemble import Params, assemble_params
+from jaxspec.checkpoints.assemble import assemble_params
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models.family import Family
 
@@ -316,7 +316,7 @@ def gguf_tokenizer_metadata(gf: GGUFFile) -> dict[str, Any]:
     return {key: value for key, value in gf.metadata.items() if key.startswith("tokenizer.")}
 
 
-def params_from_gguf(gf: GGUFFile, cfg: Any, *, progress: bool = False) -> Params:
+def params_from_gguf(gf: GGUFFile, cfg: Any, *, progress: bool = False) -> Any:
     """The family's params tree as float32 numpy, every tensor dequantized and shape-checked."""
     family = gguf_family(gf)
     for info in gf.tensors.values():  # fail before minutes of work, not after

@@ -19,10 +19,9 @@ import os
 import pathlib
 from typing import Any
 
-import jax
 import numpy as np
 
-from jaxspec.checkpoints.assemble import Params, to_jax
+from jaxspec.checkpoints.assemble import to_jax
 from jaxspec.checkpoints.resolve import HF_CONFIG, MTP_HEAD_META
 from jaxspec.checkpoints.safetensors import SafetensorsReader, hf_prefix, hf_weight_files, read_json
 from jaxspec.config import config_from_dict, config_to_dict
@@ -35,7 +34,7 @@ from jaxspec.models import eagle3, llama, mtp
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16")  # what a draft head's weights may be stored as
 
-# jaxspec param name -> (tensor name in the checkpoint, shape as a function of the config)
+# eagle3.TENSOR_NAMES name -> (tensor name in the checkpoint, shape as a function of the config); d2t apart
 _EAGLE3_TENSORS = {
     "fc": ("fc.weight", lambda c: (c.dim, 3 * c.dim)),
     "input_layernorm": ("midlayer.input_layernorm.weight", lambda c: (c.dim,)),
@@ -73,17 +72,17 @@ def is_eagle3_dir(path: pathlib.Path) -> bool:
         read_json(path / HF_CONFIG))
 
 
-def load_eagle3(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
+def load_eagle3(directory: str | os.PathLike[str]) -> tuple[Any, eagle3.Eagle3Params]:
     """An EAGLE-3 head directory: config.json + model.safetensors (fc, midlayer.*, norm, lm_head,
     d2t int64, t2d bool). Returns (Eagle3Config, params) with d2t as int32."""
     directory = pathlib.Path(directory)
     cfg = eagle3.config_from_hf(read_json(directory / HF_CONFIG))
     files = hf_weight_files(directory)
-    params: Params = {}
+    arrays: dict[str, np.ndarray] = {}
     with contextlib.ExitStack() as stack:
         reader = SafetensorsReader(files, stack)
         for name, (tensor, shape_of) in _EAGLE3_TENSORS.items():
-            params[name] = _read_float_tensor(reader, directory, tensor, shape_of(cfg), "EAGLE-3")
+            arrays[name] = _read_float_tensor(reader, directory, tensor, shape_of(cfg), "EAGLE-3")
         if "d2t" not in files:
             raise CheckpointError(f"{directory} lacks EAGLE-3 tensor 'd2t'")
         d2t = reader.read_integer("d2t")
@@ -96,18 +95,20 @@ def load_eagle3(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
             f"EAGLE-3 'd2t' maps draft id {bad} to {int(target_ids[bad])}, outside the target vocabulary [0, {cfg.vocab_size})")
     if len(np.unique(target_ids)) != len(target_ids):
         raise CheckpointError("EAGLE-3 'd2t' maps two draft ids to the same target id")
-    params["d2t"] = d2t.astype(np.int32)
-    return cfg, to_jax(params)
+    arrays["d2t"] = d2t.astype(np.int32)
+    return cfg, to_jax(eagle3.params_from(arrays.__getitem__))
 
 
-def save_eagle3(directory: str | os.PathLike[str], cfg: Any, params: Params, *, dtype=np.float32) -> None:
+def save_eagle3(directory: str | os.PathLike[str], cfg: Any, params: eagle3.Eagle3Params, *,
+                dtype=np.float32) -> None:
     """Write a head in the checkpoint format `load_eagle3` reads (tests, training)."""
     from safetensors.numpy import save_file
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {tensor: np.asarray(params[name], dtype) for name, (tensor, _) in _EAGLE3_TENSORS.items()}
-    d2t = np.asarray(params["d2t"], np.int64)
+    arrays = eagle3.named_leaves(params)
+    tensors = {tensor: np.asarray(arrays[name], dtype) for name, (tensor, _) in _EAGLE3_TENSORS.items()}
+    d2t = np.asarray(arrays["d2t"], np.int64)
     tensors["d2t"] = d2t
     t2d = np.zeros(cfg.vocab_size, bool)
     target_ids = np.arange(cfg.draft_vocab_size) + d2t
@@ -140,21 +141,20 @@ def is_mtp_head_dir(path: pathlib.Path) -> bool:
     return path.is_dir() and (path / MTP_HEAD_META).is_file()
 
 
-def save_mtp_head(directory: str | os.PathLike[str], cfg: Any, params: Params, *, dtype=np.float32) -> None:
+def save_mtp_head(directory: str | os.PathLike[str], cfg: Any, params: mtp.MtpParams, *, dtype=np.float32) -> None:
     """A trained MTP head without its target: model.safetensors (`enorm`, `block.q_proj`, ...) and
     mtp_head.json (the block's config). The embedding and lm_head stay the target's."""
     from safetensors.numpy import save_file
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: np.asarray(value, dtype) for name, value in params.items() if name != "block"}
-    tensors |= {f"block.{name}": np.asarray(value, dtype) for name, value in params["block"].items()}
+    tensors = {name: np.asarray(value, dtype) for name, value in mtp.named_leaves(params, cfg).items()}
     save_file(tensors, str(directory / "model.safetensors"))
     meta = {"format": "jaxspec-mtp-head", "block": config_to_dict(cfg.block), "hidden_first": cfg.hidden_first}
     (directory / MTP_HEAD_META).write_text(json.dumps(meta, indent=2), encoding="utf-8")
 
 
-def load_mtp_head(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
+def load_mtp_head(directory: str | os.PathLike[str]) -> tuple[Any, mtp.MtpParams]:
     """A head written by `save_mtp_head`: (MtpConfig, params), every tensor's shape and dtype checked."""
     directory = pathlib.Path(directory)
     meta = read_json(directory / MTP_HEAD_META)
@@ -162,15 +162,12 @@ def load_mtp_head(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
         cfg = mtp.MtpConfig(block=config_from_dict(meta["block"]), hidden_first=bool(meta["hidden_first"]))
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{directory / MTP_HEAD_META} is not a jaxspec MTP head config: {error!r}") from None
-    expected = jax.eval_shape(lambda key: mtp.init_params(cfg, key), jax.random.PRNGKey(0))
+    shapes = mtp.leaf_shapes(cfg)
     files = hf_weight_files(directory)
-    params: Params = {"block": {}}
     with contextlib.ExitStack() as stack:
         reader = SafetensorsReader(files, stack)
-        for group, shapes in (("", {k: v for k, v in expected.items() if k != "block"}), ("block.", expected["block"])):
-            for name, leaf in shapes.items():
-                value = _read_float_tensor(reader, directory, group + name, leaf.shape, "MTP head")
-                (params["block"] if group else params)[name] = value
+        params = mtp.params_from(
+            cfg, lambda name: _read_float_tensor(reader, directory, name, shapes[name], "MTP head"))
     return cfg, to_jax(params)
 
 
@@ -202,7 +199,7 @@ def has_mtp(path: pathlib.Path) -> bool:
     return bool(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")))
 
 
-def load_mtp(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
+def load_mtp(directory: str | os.PathLike[str]) -> tuple[Any, mtp.MtpParams]:
     """The first MTP layer of an HF checkpoint that carries one (see jaxspec.models.mtp).
 
     Reads either layout (`model.layers.{L}.*` as DeepSeek-V3 and GLM store it, or the `mtp.*`
@@ -220,18 +217,15 @@ def load_mtp(directory: str | os.PathLike[str]) -> tuple[Any, Params]:
     else:
         candidates = [_mtp_names(layout, prefix, target_layers)["eh_proj"] for layout in _MTP_LAYOUTS]
         raise CheckpointError(f"{directory} declares MTP layers but holds none of {candidates}")
-    D = cfg.dim
-    expected = {"enorm": (D,), "hnorm": (D,), "eh_proj": (D, 2 * D), "post_norm": (D,)}
-    expected_block = llama.layer_shapes(cfg.block)
-    params: Params = {"block": {}}
+    shapes = mtp.leaf_shapes(cfg)
+
+    def tensor_name(name: str) -> str:
+        if name.startswith("block."):
+            return names["block"] + llama.HF_NAMES[name.removeprefix("block.")]
+        return names[name]
+
     with contextlib.ExitStack() as stack:
         reader = SafetensorsReader(files, stack)
-
-        def read(tensor: str, shape: tuple[int, ...]) -> np.ndarray:
-            return _read_float_tensor(reader, directory, tensor, shape, "MTP")
-
-        for key, shape in expected.items():
-            params[key] = read(names[key], shape)
-        for key, shape in expected_block.items():
-            params["block"][key] = read(names["block"] + llama.HF_NAMES[key], shape)
+        params = mtp.params_from(
+            cfg, lambda name: _read_float_tensor(reader, directory, tensor_name(name), shapes[name], "MTP"))
     return cfg, to_jax(params)

@@ -22,7 +22,7 @@ from jaxspec.checkpoints import safetensors, store
 from jaxspec.checkpoints.assemble import Checkpoint, to_jax
 from jaxspec.checkpoints.resolve import HF_CONFIG, JAXSPEC_META, resolve_model
 from jaxspec.errors import CheckpointError
-from jaxspec.models.family import is_shape
+from jaxspec.models.params import is_shape
 
 
 def load_checkpoint(

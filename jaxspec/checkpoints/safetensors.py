@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec import models
-from jaxspec.checkpoints.assemble import Params, assemble_params
+from jaxspec.checkpoints.assemble import assemble_params
 from jaxspec.checkpoints.resolve import HF_CONFIG
 from jaxspec.errors import CheckpointError
 from jaxspec.models.family import Family
@@ -140,7 +140,7 @@ def hf_prefix(family: Family, names: Mapping[str, Any], directory: pathlib.Path)
     return prefix
 
 
-def load_hf_dir(directory: pathlib.Path, *, progress: bool = False) -> tuple[Any, Params]:
+def load_hf_dir(directory: pathlib.Path, *, progress: bool = False) -> tuple[Any, Any]:
     """An HF directory of any registered family -> (config, float32 numpy params)."""
     family, cfg = hf_family(directory)
     files = hf_weight_files(directory)

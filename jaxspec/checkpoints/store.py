@@ -32,19 +32,23 @@ import numpy as np
 
 from jaxspec import models
 from jaxspec.checkpoints import gguf as gguf_reader
-from jaxspec.checkpoints.assemble import Checkpoint, Params, to_jax
+from jaxspec.checkpoints.assemble import Checkpoint, to_jax
 from jaxspec.checkpoints.resolve import JAXSPEC_META
 from jaxspec.checkpoints.safetensors import read_json
 from jaxspec.errors import CheckpointError
-from jaxspec.models.family import Family, is_shape
+from jaxspec.models.family import Family
+from jaxspec.models.params import is_shape
 
 logger = logging.getLogger(__name__)
 
 GGUF_TOKENIZER_FILE = "gguf_tokenizer.json"
 PARAMS_DIR = "params"
-FORMAT_VERSION = 1  # version-1 directories written before families existed hold a "llama" config
-# Bump when GGUF -> params conversion changes, so stale cache entries are never reused.
-CACHE_VERSION = 1
+# Version 2: params stored as the families' typed trees (layers.0.attention.q_proj, ...); a
+# version-1 directory (flat layer dicts) is refused by name rather than misread.
+FORMAT_VERSION = 2
+# Bump when GGUF -> params conversion or the stored tree changes, so stale cache entries are
+# never reused (v2: the typed params trees).
+CACHE_VERSION = 2
 # Tokenizer material an HF directory may carry; a converted directory copies whichever exist.
 HF_TOKENIZER_FILES = (
     "tokenizer.json",
@@ -87,7 +91,7 @@ def _checkpointer() -> Any:
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 
-def save_params(params: Params, path: pathlib.Path) -> None:
+def save_params(params: Any, path: pathlib.Path) -> None:
     """Write params with orbax to a fresh `path` (orbax refuses an existing one)."""
     import orbax.checkpoint as ocp
 
@@ -95,7 +99,7 @@ def save_params(params: Params, path: pathlib.Path) -> None:
         checkpointer.save(path.absolute(), args=ocp.args.PyTreeSave(params))
 
 
-def restore_params(path: pathlib.Path, family: Family, cfg: Any) -> Params:
+def restore_params(path: pathlib.Path, family: Family, cfg: Any) -> Any:
     """Read params written by save_params, as float32 jax arrays shaped by the family's `cfg`.
 
     The target tree comes from the config, so an entry of the wrong structure or shapes fails
@@ -110,6 +114,8 @@ def restore_params(path: pathlib.Path, family: Family, cfg: Any) -> Params:
     with _checkpointer() as checkpointer:
         restored = checkpointer.restore(
             path.absolute(), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+    if jax.tree.structure(restored) != jax.tree.structure(target):
+        raise CheckpointError(f"{path} holds a params tree of another structure than the {family.name} config implies")
     for got, shape in zip(jax.tree.leaves(restored), jax.tree.leaves(shapes, is_leaf=is_shape), strict=True):
         if got.shape != shape or got.dtype != np.float32:
             raise CheckpointError(f"{path} holds a {got.dtype}{list(got.shape)} array where {shape} float32 belongs")

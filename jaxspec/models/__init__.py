@@ -10,6 +10,9 @@ registered here. Every trunk honours one contract:
 writing the T new tokens at each row's `cache.length` without advancing it; the caller commits
 with `cache.advance(n)` / `cache.set_length(...)` (rollback by length, DESIGN.md contract 2).
 
+Params are typed pytrees (`flax.struct` dataclasses, jaxspec.models.params) whose fields carry
+their logical axis names; a family's `param_shapes` and checkpoint tensor trees are the same types.
+
 The same registry is how the checkpoint readers find a family: by config type, by HF
 `model_type`, by GGUF `general.architecture`, or by the name a converted directory records.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jaxspec.errors import UnsupportedModelError
+from jaxspec.errors import InvalidRequestError, UnsupportedModelError
 from jaxspec.models import llama, qwen35
 from jaxspec.models.family import Family
 
@@ -76,7 +79,11 @@ def family_for_gguf(architecture: str, source: str) -> Family:
 
 
 def forward(params, cfg, tokens, cache, **kwargs):
-    return family_of(cfg).forward(params, cfg, tokens, cache, **kwargs)
+    family = family_of(cfg)
+    if not isinstance(params, family.params_class):  # at trace time: before anything compiles
+        raise InvalidRequestError(
+            f"{family.name} params must be a {family.params_class.__name__}; got {type(params).__name__}")
+    return family.forward(params, cfg, tokens, cache, **kwargs)
 
 
 def create_cache(cfg, batch: int, capacity: int, **kwargs):

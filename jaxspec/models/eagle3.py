@@ -20,28 +20,74 @@ outputs of layers `id - 1` (-1 being the embedding output), see `target_hidden_l
 Alignment: the head pairs the target feature at position p with the embedding of the token at
 p + 1 and runs at RoPE position p, so its KV slot p holds (feature p, token p + 1).
 
-Params pytree (float32; weights [out, in]):
-    fc [D, 3D]; input_layernorm [D]; hidden_norm [D]; q_proj [N*H, 2D]; k_proj, v_proj [K*H, 2D];
-    o_proj [D, N*H]; post_attention_layernorm [D]; gate_proj, up_proj [F, D]; down_proj [D, F];
-    norm [D]; lm_head [Vd, D]; d2t int32[Vd]
+Params: `Eagle3Params` (float32, weights [out, in]; d2t int32), built from per-tensor values
+by `params_from` under the flat names of the EAGLE-3 checkpoint format (`TENSOR_NAMES`).
 The token embedding is the target's, passed in beside these params.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig, RopeScaling, _rope_settings, resolve_rotary_dim
 from jaxspec.errors import UnsupportedModelError
-from jaxspec.models.layers import logits_head, rms_norm, rope_tables, self_attention, swiglu
+from jaxspec.models.layers import (
+    AttentionParams,
+    MlpParams,
+    logits_head,
+    rms_norm,
+    rope_tables,
+    self_attention,
+    swiglu,
+)
+from jaxspec.models.params import param
 
-Params = dict[str, Any]
+
+@struct.dataclass
+class Eagle3Params:
+    """An EAGLE-3 head: one decoder layer over [embedding; target features], its norm and lm_head."""
+
+    fc: jax.Array = param(axes=("embed", None))  # [D, 3D]: three target features -> one
+    input_layernorm: jax.Array = param(axes=("embed",))  # [D], on the token embedding
+    hidden_norm: jax.Array = param(axes=("embed",))  # [D], on the features
+    attention: AttentionParams  # q_proj [N*H, 2D]; k_proj, v_proj [K*H, 2D]; o_proj [D, N*H]
+    post_attention_layernorm: jax.Array = param(axes=("embed",))  # [D]
+    mlp: MlpParams  # gate_proj, up_proj [F, D]; down_proj [D, F]
+    norm: jax.Array = param(axes=("embed",))  # [D]
+    lm_head: jax.Array = param(axes=("vocab", "embed"))  # [Vd, D], over the draft vocabulary
+    # int32[Vd]: target id - draft id; None in the trainable copy jaxspec.train optimises
+    d2t: jax.Array | None = param(axes=("vocab",))
+
+
+# The flat names `params_from` asks for, in checkpoint order (d2t last, as it is checked last).
+TENSOR_NAMES = ("fc", "input_layernorm", "hidden_norm", "q_proj", "k_proj", "v_proj", "o_proj",
+                "post_attention_layernorm", "gate_proj", "up_proj", "down_proj", "norm", "lm_head", "d2t")
+
+
+def params_from(leaf: Callable[[str], Any]) -> Eagle3Params:
+    """The head's params, each `leaf(name)` for a name of TENSOR_NAMES."""
+    fc, input_layernorm, hidden_norm = leaf("fc"), leaf("input_layernorm"), leaf("hidden_norm")
+    attention = AttentionParams(q_proj=leaf("q_proj"), k_proj=leaf("k_proj"), v_proj=leaf("v_proj"),
+                                o_proj=leaf("o_proj"), q_bias=None, k_bias=None, v_bias=None, q_norm=None,
+                                k_norm=None)
+    post_attention_layernorm = leaf("post_attention_layernorm")
+    mlp = MlpParams(gate_proj=leaf("gate_proj"), up_proj=leaf("up_proj"), down_proj=leaf("down_proj"))
+    return Eagle3Params(fc=fc, input_layernorm=input_layernorm, hidden_norm=hidden_norm, attention=attention,
+                        post_attention_layernorm=post_attention_layernorm, mlp=mlp, norm=leaf("norm"),
+                        lm_head=leaf("lm_head"), d2t=leaf("d2t"))
+
+
+def named_leaves(params: Eagle3Params) -> dict[str, jax.Array]:
+    """The head's arrays by their TENSOR_NAMES name (the inverse of `params_from`)."""
+    names = jax.tree.leaves(params_from(lambda name: name))
+    return dict(zip(names, jax.tree.leaves(params), strict=True))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,7 +160,7 @@ def is_eagle3_config(hf: Mapping[str, Any]) -> bool:
     return any("eagle3" in a.lower() for a in architectures) or "eagle_config" in hf or "draft_vocab_size" in hf
 
 
-def init_params(cfg: Eagle3Config, key: jax.Array, scale: float = 0.05) -> Params:
+def init_params(cfg: Eagle3Config, key: jax.Array, scale: float = 0.05) -> Eagle3Params:
     """Random head params (tests); d2t maps draft ids onto the first Vd target ids, shuffled."""
     D, N, K, H, F, Vd = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.draft_vocab_size
     keys = iter(jax.random.split(key, 16))
@@ -123,7 +169,7 @@ def init_params(cfg: Eagle3Config, key: jax.Array, scale: float = 0.05) -> Param
         return scale * jax.random.normal(next(keys), shape, jnp.float32)
 
     target_ids = jax.random.permutation(next(keys), cfg.vocab_size)[:Vd]
-    return {
+    drawn = {
         "fc": normal(D, 3 * D), "input_layernorm": 1.0 + normal(D), "hidden_norm": 1.0 + normal(D),
         "q_proj": normal(N * H, 2 * D), "k_proj": normal(K * H, 2 * D), "v_proj": normal(K * H, 2 * D),
         "o_proj": normal(D, N * H), "post_attention_layernorm": 1.0 + normal(D),
@@ -131,11 +177,12 @@ def init_params(cfg: Eagle3Config, key: jax.Array, scale: float = 0.05) -> Param
         "norm": 1.0 + normal(D), "lm_head": normal(Vd, D),
         "d2t": (target_ids - jnp.arange(Vd)).astype(jnp.int32),
     }
+    return params_from(drawn.__getitem__)
 
 
-def encode(params: Params, aux: tuple[jax.Array, ...]) -> jax.Array:
+def encode(params: Eagle3Params, aux: tuple[jax.Array, ...]) -> jax.Array:
     """g = fc(concat(aux)): the target features [B, T, D] each -> [B, T, D]."""
-    return jnp.einsum("ED,BTD->BTE", params["fc"], jnp.concatenate(aux, axis=-1))
+    return jnp.einsum("ED,BTD->BTE", params.fc, jnp.concatenate(aux, axis=-1))
 
 
 def create_cache(cfg: Eagle3Config, batch: int, capacity: int) -> KVCache:
@@ -143,7 +190,7 @@ def create_cache(cfg: Eagle3Config, batch: int, capacity: int) -> KVCache:
 
 
 def forward(
-    params: Params,
+    params: Eagle3Params,
     cfg: Eagle3Config,
     embed: jax.Array,
     tokens: jax.Array,
@@ -163,16 +210,16 @@ def forward(
 
     e = jnp.take(embed, tokens.reshape(-1), axis=0).T  # [D, B*T]
     g = g.reshape(batch * steps, cfg.dim).T  # [D, B*T]
-    cat = jnp.concatenate([rms_norm(e, params["input_layernorm"], cfg.norm_eps),
-                           rms_norm(g, params["hidden_norm"], cfg.norm_eps)], axis=0)  # [2D, B*T]
-    attn_out, keys, values = self_attention(params, attention_cfg, cat, cos, sin, cache.keys[0], cache.values[0],
+    cat = jnp.concatenate([rms_norm(e, params.input_layernorm, cfg.norm_eps),
+                           rms_norm(g, params.hidden_norm, cfg.norm_eps)], axis=0)  # [2D, B*T]
+    attn_out, keys, values = self_attention(params.attention, attention_cfg, cat, cos, sin, cache.keys[0], cache.values[0],
                                             cache.length, batch, steps)
     x1 = g + attn_out  # the residual is the pre-norm g
-    g_next = x1 + swiglu(params, rms_norm(x1, params["post_attention_layernorm"], cfg.norm_eps))
-    logits = logits_head(params["lm_head"], rms_norm(g_next, params["norm"], cfg.norm_eps), batch, steps)  # [B, T, Vd]
+    g_next = x1 + swiglu(params.mlp, rms_norm(x1, params.post_attention_layernorm, cfg.norm_eps))
+    logits = logits_head(params.lm_head, rms_norm(g_next, params.norm, cfg.norm_eps), batch, steps)  # [B, T, Vd]
     g_next = g_next.reshape(cfg.dim, batch, steps).transpose(1, 2, 0)
     return logits, g_next, cache.replace(keys=(keys,), values=(values,))
 
 
-def to_target_ids(params: Params, draft_ids: jax.Array) -> jax.Array:
-    return draft_ids + jnp.take(params["d2t"], draft_ids)
+def to_target_ids(params: Eagle3Params, draft_ids: jax.Array) -> jax.Array:
+    return draft_ids + jnp.take(params.d2t, draft_ids)

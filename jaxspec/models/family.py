@@ -2,18 +2,17 @@
 
 A `Family` says how one trunk kind (Llama and its relatives; Qwen3.5's hybrid) is stored and
 named: which HF `model_type`s and GGUF architectures it claims, how its config is parsed from
-either and written to and from a converted directory's JSON, the shape and logical axes of every
-param leaf, and the tensor in each checkpoint format that fills that leaf (with the transform from
+either and written to and from a converted directory's JSON, the shape of every param leaf, and
+the tensor in each checkpoint format that fills that leaf (with the transform from
 stored values to jaxspec's layout, e.g. llama.cpp's Q/K row permutation undone). Each trunk module
 builds its descriptor at its end and `jaxspec.models` registers it; `jaxspec.checkpoints` reads
 every format through these descriptors and never names a family itself.
 
 The contract between the trees a family gives for one config: `param_shapes(cfg)`,
-`param_axes(cfg)`, `hf_tensors(cfg, prefix)` and `gguf_tensors(cfg, arch)` have the structure of
-the params pytree, leaf for leaf (shape tuples; axis-name tuples, one name per dimension;
-`TensorSource`s). Logical axis names (DESIGN.md contract 8) are "vocab", "embed", "heads",
-"kv_heads", "ffn" and None (replicated); a family may add its own (Qwen3.5's "linear_heads",
-"linear_channels").
+`hf_tensors(cfg, prefix)` and `gguf_tensors(cfg, arch)` are instances of the family's params
+type (jaxspec.models.params), leaf for leaf (shape tuples; `TensorSource`s), so their structure
+is the params pytree's by construction; the logical axes are the type's own
+(`logical_axes(param_shapes(cfg))`), not a table beside it.
 This module imports nothing from the loaders: models never depend on how files are read.
 """
 
@@ -24,9 +23,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-
-Params = dict[str, Any]
-
 
 @dataclasses.dataclass(frozen=True)
 class TensorSource:
@@ -41,17 +37,13 @@ class TensorSource:
         return stored if self.transform is None else self.transform(stored)
 
 
-def is_shape(leaf: Any) -> bool:
-    """`is_leaf` for param_shapes / param_axes trees, whose leaves are tuples."""
-    return isinstance(leaf, tuple)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Family:
     """One trunk kind: its config, forward and cache, and its checkpoint layouts."""
 
     name: str  # the family's name, written into converted directories
     config_class: type
+    params_class: type  # the params dataclass (jaxspec.models.params) its forward takes
     forward: Callable[..., Any]  # the trunk contract of jaxspec.models
     create_cache: Callable[..., Any]  # (cfg, batch, capacity, **options) -> cache
     # HF: the config.json `model_type`s claimed, their parse, and the trunk's tensor-name prefixes
@@ -60,18 +52,17 @@ class Family:
     config_from_hf: Callable[[Mapping[str, Any]], Any]
     hf_prefixes: tuple[str, ...]
     hf_embed: str  # the embedding's name after the prefix
-    hf_tensors: Callable[[Any, str], Params]  # (cfg, prefix) -> TensorSource tree
+    hf_tensors: Callable[[Any, str], Any]  # (cfg, prefix) -> params tree of TensorSources
     # The config's name for info(): e.g. "llama", "qwen3", "qwen3_5".
     architecture: Callable[[Any], str]
-    param_shapes: Callable[[Any], Params]  # cfg -> shape-tuple tree
-    param_axes: Callable[[Any], Params]  # cfg -> axis-name-tuple tree
+    param_shapes: Callable[[Any], Any]  # cfg -> params tree of shape tuples
     config_to_dict: Callable[[Any], dict[str, Any]]  # JSON-able; config_from_dict inverts it
     config_from_dict: Callable[[Mapping[str, Any]], Any]
     # GGUF, for families llama.cpp writes: `general.architecture` values claimed; the config
     # from (metadata, tensor name -> shape, source for messages); the tensor tree for (cfg, arch).
     gguf_architectures: tuple[str, ...] = ()
     config_from_gguf: Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], Any] | None = None
-    gguf_tensors: Callable[[Any, str], Params] | None = None
+    gguf_tensors: Callable[[Any, str], Any] | None = None
 
     def hf_prefix(self, names: Mapping[str, Any] | frozenset[str]) -> str | None:
         """The prefix under which `names` (a directory's tensors) hold this trunk, or None."""

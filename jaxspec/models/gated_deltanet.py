@@ -19,14 +19,29 @@ Y value head dim, C conv channels (2*J*X + E*Y), W conv kernel, c chunk size. Th
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxspec.models.layers import rms_norm
+from jaxspec.models.params import param
 
-Params = dict[str, Any]
+
+@struct.dataclass
+class DeltaNetParams:
+    """A Gated DeltaNet mixer's weights (`gated_delta_net`), `[out, in]` as HF stores them."""
+
+    qkv_proj: jax.Array = param(axes=("linear_channels", "embed"))  # [C, D]
+    z_proj: jax.Array = param(axes=("linear_heads", "embed"))  # [E*Y, D]: the output gate
+    b_proj: jax.Array = param(axes=("linear_heads", "embed"))  # [E, D]: beta
+    a_proj: jax.Array = param(axes=("linear_heads", "embed"))  # [E, D]: decay input
+    conv_weight: jax.Array = param(axes=("linear_channels", None))  # [C, W]: depthwise causal conv
+    A_log: jax.Array = param(axes=("linear_heads",))  # [E]
+    dt_bias: jax.Array = param(axes=("linear_heads",))  # [E]
+    out_norm: jax.Array = param(axes=(None,))  # [Y]: every value head shares it
+    out_proj: jax.Array = param(axes=("embed", "linear_heads"))  # [D, E*Y]
 
 
 class DeltaNetConfig(Protocol):
@@ -208,23 +223,22 @@ def _l2_normalise(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
-def gated_delta_net(layer: Params, cfg: DeltaNetConfig, h: jax.Array, conv_window: jax.Array, state: jax.Array,
+def gated_delta_net(weights: DeltaNetParams, cfg: DeltaNetConfig, h: jax.Array, conv_window: jax.Array, state: jax.Array,
                     batch: int, steps: int, rule: DeltaRule) -> tuple[jax.Array, dict[str, jax.Array]]:
     """A Gated DeltaNet layer over T new tokens per row. h: [D, B*T] (normed).
 
-    layer: qkv_proj [C, D]; z_proj [E*Y, D]; b_proj, a_proj [E, D]; conv_weight [C, W]; A_log,
-    dt_bias [E]; out_norm [Y]; out_proj [D, E*Y]. conv_window [B, W-1, C] and state [B, E, X, Y]
+    conv_window [B, W-1, C] and state [B, E, X, Y]
     are the committed ones at each row's length.
     Returns the output [D, B*T] and what the commit needs, keyed by the fields of the cache's
     record (qwen35.RecordedSteps for the recurrent form, qwen35.ChunkedSteps for the chunked).
     """
     J, E, X, Y = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = (layer["qkv_proj"] @ h).reshape(cfg.conv_dim, batch, steps).transpose(1, 2, 0)  # [B, T, C]
+    mixed = (weights.qkv_proj @ h).reshape(cfg.conv_dim, batch, steps).transpose(1, 2, 0)  # [B, T, C]
 
     # Depthwise causal conv over [window, new inputs]: out[t] = sum_w weight[:, w] * seq[t + w].
     kernel = cfg.linear_conv_kernel
     sequence = jnp.concatenate([conv_window, mixed], axis=1)  # [B, W-1+T, C]
-    conv = sum(layer["conv_weight"][:, w] * sequence[:, w: w + steps] for w in range(kernel))
+    conv = sum(weights.conv_weight[:, w] * sequence[:, w: w + steps] for w in range(kernel))
     conv = jax.nn.silu(conv)
     query = conv[..., : cfg.key_dim].reshape(batch, steps, J, X)
     key = conv[..., cfg.key_dim: 2 * cfg.key_dim].reshape(batch, steps, J, X)
@@ -236,8 +250,8 @@ def gated_delta_net(layer: Params, cfg: DeltaNetConfig, h: jax.Array, conv_windo
     def per_head(projection):  # [E, B*T] -> [B, T, E]
         return projection.reshape(E, batch, steps).transpose(1, 2, 0)
 
-    beta = jax.nn.sigmoid(per_head(layer["b_proj"] @ h))
-    decay = -jnp.exp(layer["A_log"]) * jax.nn.softplus(per_head(layer["a_proj"] @ h) + layer["dt_bias"])
+    beta = jax.nn.sigmoid(per_head(weights.b_proj @ h))
+    decay = -jnp.exp(weights.A_log) * jax.nn.softplus(per_head(weights.a_proj @ h) + weights.dt_bias)
 
     if rule is DeltaRule.RECURRENT:
         out, states = recurrent_delta_rule(query, key, value, decay, beta, state)
@@ -251,7 +265,7 @@ def gated_delta_net(layer: Params, cfg: DeltaNetConfig, h: jax.Array, conv_windo
                        decay=jnp.pad(decay, pad + [(0, 0)]), beta=jnp.pad(beta, pad + [(0, 0)]))
 
     # Gated RMSNorm per value head: norm(out) * weight * silu(z).
-    z = (layer["z_proj"] @ h).reshape(E, Y, batch, steps).transpose(2, 3, 0, 1)  # [B, T, E, Y]
-    out = rms_norm(out, layer["out_norm"], cfg.norm_eps, axis=-1) * jax.nn.silu(z)
+    z = (weights.z_proj @ h).reshape(E, Y, batch, steps).transpose(2, 3, 0, 1)  # [B, T, E, Y]
+    out = rms_norm(out, weights.out_norm, cfg.norm_eps, axis=-1) * jax.nn.silu(z)
     out = out.reshape(batch * steps, E * Y).T  # [E*Y, B*T]
-    return layer["out_proj"] @ out, pending
+    return weights.out_proj @ out, pending

@@ -16,19 +16,58 @@ Qwen35Config, an EAGLE-3 head's attention config) works, and being frozen they s
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxspec.cache import write_kv
 from jaxspec.config import RopeScaling, RopeType
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.pallas.flash_decode import Attention, attend, quantize_for
+from jaxspec.models.params import param
 from jaxspec.pallas.kv_quant import Packed
 
-Params = dict[str, Any]
+
+
+@struct.dataclass
+class AttentionParams:
+    """Self-attention weights, `[out, in]` as HF stores them (`self_attention`).
+
+    Optional fields are None where the config has none: biases (`attention_bias`, Qwen2) and
+    the per-head QK-norm (`qk_norm`, Qwen3 and Qwen3.5).
+    """
+
+    q_proj: jax.Array = param(axes=("heads", "embed"))  # [N*H, D_in] ([N*2H, D] with an output gate)
+    k_proj: jax.Array = param(axes=("kv_heads", "embed"))  # [K*H, D_in]
+    v_proj: jax.Array = param(axes=("kv_heads", "embed"))  # [K*H, D_in]
+    o_proj: jax.Array = param(axes=("embed", "heads"))  # [D, N*H]
+    q_bias: jax.Array | None = param(axes=("heads",))  # [N*H]
+    k_bias: jax.Array | None = param(axes=("kv_heads",))  # [K*H]
+    v_bias: jax.Array | None = param(axes=("kv_heads",))  # [K*H]
+    q_norm: jax.Array | None = param(axes=(None,))  # [H]: every head shares it
+    k_norm: jax.Array | None = param(axes=(None,))  # [H]
+
+
+@struct.dataclass
+class MlpParams:
+    """The SwiGLU MLP's weights (`swiglu`)."""
+
+    gate_proj: jax.Array = param(axes=("ffn", "embed"))  # [F, D]
+    up_proj: jax.Array = param(axes=("ffn", "embed"))  # [F, D]
+    down_proj: jax.Array = param(axes=("embed", "ffn"))  # [D, F]
+
+
+@struct.dataclass
+class LlamaLayer:
+    """One pre-norm Llama-family decoder layer (`decoder_layer`); also an MTP head's block."""
+
+    attn_norm: jax.Array = param(axes=("embed",))  # [D]
+    attention: AttentionParams
+    mlp_norm: jax.Array = param(axes=("embed",))  # [D]
+    mlp: MlpParams
 
 
 class RopeConfig(Protocol):
@@ -157,32 +196,32 @@ def project(w: jax.Array, h: jax.Array, bias: jax.Array | None = None) -> jax.Ar
 
 
 def self_attention(
-    layer: Params, cfg: AttentionConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
+    weights: AttentionParams, cfg: AttentionConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
     keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
     *, qk_norm: bool = False, output_gate: bool = False, attention: Attention | str = Attention.AUTO,
 ) -> tuple[jax.Array, Packed, Packed]:
     """Self-attention of T new tokens per row over that row's cache. h: [D, B*T] (normed).
 
-    layer: q_proj [N*H, D] ([N*2H, D] with `output_gate`: per head H query rows then H gate
-    rows, as Qwen3.5 fuses them); k_proj, v_proj [K*H, D]; o_proj [D, N*H]; optional q_bias,
-    k_bias, v_bias; q_norm, k_norm [H] with `qk_norm` (RMSNorm per head before RoPE).
+    weights: q_proj [N*H, D] ([N*2H, D] with `output_gate`: per head H query rows then H gate
+    rows, as Qwen3.5 fuses them); k_proj, v_proj [K*H, D]; o_proj [D, N*H]; q_bias, k_bias,
+    v_bias when not None; q_norm, k_norm [H] with `qk_norm` (RMSNorm per head before RoPE).
     With `output_gate` the attention output is multiplied by sigmoid(gate) before o_proj.
     keys/values are the layer's buffers [B, K, S, H] in the cache's format; `attention` picks
     the Pallas kernel or the XLA reference (jaxspec.pallas.flash_decode.Attention).
     Returns the output [D, B*T] and the buffers with the T new entries written at `offsets`.
     """
     N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-    q = project(layer["q_proj"], h, layer.get("q_bias"))
+    q = project(weights.q_proj, h, weights.q_bias)
     gate = None
     if output_gate:
         query_gate = q.reshape(N, 2, H, batch, steps)
         q, gate = query_gate[:, 0], query_gate[:, 1]  # [N, H, B, T] each
     q = q.reshape(N, H, batch, steps)
-    k = project(layer["k_proj"], h, layer.get("k_bias")).reshape(K, H, batch, steps)
-    v = project(layer["v_proj"], h, layer.get("v_bias")).reshape(K, H, batch, steps)
+    k = project(weights.k_proj, h, weights.k_bias).reshape(K, H, batch, steps)
+    v = project(weights.v_proj, h, weights.v_bias).reshape(K, H, batch, steps)
     if qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.norm_eps, axis=1)
-        k = rms_norm(k, layer["k_norm"], cfg.norm_eps, axis=1)
+        q = rms_norm(q, weights.q_norm, cfg.norm_eps, axis=1)
+        k = rms_norm(k, weights.k_norm, cfg.norm_eps, axis=1)
     q = apply_rope(q, cos, sin, cfg.rotary_dim)
     k = apply_rope(k, cos, sin, cfg.rotary_dim)
 
@@ -199,21 +238,19 @@ def self_attention(
     out = jnp.transpose(out, (2, 3, 4, 0, 1)).reshape(N * H, batch * steps)  # [N*H, B*T]
     if gate is not None:
         out = out * jax.nn.sigmoid(gate.reshape(N * H, batch * steps))  # per head dim
-    return layer["o_proj"] @ out, keys, values
+    return weights.o_proj @ out, keys, values
 
 
-def swiglu(layer: Params, x: jax.Array) -> jax.Array:
-    """The gated MLP down(silu(gate(x)) * up(x)): x [D, B*T] (normed) -> [D, B*T].
-
-    layer: gate_proj, up_proj [F, D]; down_proj [D, F]."""
-    gate, up = layer["gate_proj"] @ x, layer["up_proj"] @ x  # [F, B*T]
-    return layer["down_proj"] @ (jax.nn.silu(gate) * up)
+def swiglu(weights: MlpParams, x: jax.Array) -> jax.Array:
+    """The gated MLP down(silu(gate(x)) * up(x)): x [D, B*T] (normed) -> [D, B*T]."""
+    gate, up = weights.gate_proj @ x, weights.up_proj @ x  # [F, B*T]
+    return weights.down_proj @ (jax.nn.silu(gate) * up)
 
 
-def output_head(params: Params, *, tied: bool) -> jax.Array:
-    """A trunk's output projection [V, D]: the token embedding when the embeddings are tied,
-    else its own lm_head."""
-    return params["embed"] if tied else params["lm_head"]
+def output_head(embed: jax.Array, lm_head: jax.Array | None) -> jax.Array:
+    """A trunk's output projection [V, D]: its own lm_head, or the token embedding [V, D] when
+    the embeddings are tied (lm_head None)."""
+    return embed if lm_head is None else lm_head
 
 
 def logits_head(head: jax.Array, h: jax.Array, batch: int, steps: int,
@@ -234,17 +271,16 @@ def logits_head(head: jax.Array, h: jax.Array, batch: int, steps: int,
 
 
 def decoder_layer(
-    layer: Params, cfg: AttentionConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
+    layer: LlamaLayer, cfg: AttentionConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
     keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
     *, qk_norm: bool = False, attention: Attention | str = Attention.AUTO,
 ) -> tuple[jax.Array, Packed, Packed]:
     """One pre-norm decoder layer on the residual stream h [D, B*T]: attention, then SwiGLU.
 
-    layer: attn_norm [D], the attention weights (`self_attention`), mlp_norm [D], the MLP
-    weights (`swiglu`). Returns the new stream and the layer's KV buffers with T entries written.
+    Returns the new stream and the layer's KV buffers with T entries written.
     """
-    attn_out, keys, values = self_attention(layer, cfg, rms_norm(h, layer["attn_norm"], cfg.norm_eps), cos, sin,
-                                            keys, values, offsets, batch, steps, qk_norm=qk_norm,
+    attn_out, keys, values = self_attention(layer.attention, cfg, rms_norm(h, layer.attn_norm, cfg.norm_eps), cos,
+                                            sin, keys, values, offsets, batch, steps, qk_norm=qk_norm,
                                             attention=attention)
     h = h + attn_out
-    return h + swiglu(layer, rms_norm(h, layer["mlp_norm"], cfg.norm_eps)), keys, values
+    return h + swiglu(layer.mlp, rms_norm(h, layer.mlp_norm, cfg.norm_eps)), keys, values

@@ -7,31 +7,30 @@ logits head; this module holds the family's parameter layout and its forward.
 Layout, and why: weights stay `[out, in]` as HF and GGUF store them, and activations inside the
 trunk are feature-major, `[D, B*T]`, so every projection is `W @ h`. On XLA CPU that is the
 spelling whose cost grows slowest with T (T = 8 costs ~1.8x T = 1, against ~3.3x for `x @ W`;
-measured on this trunk), and speculative verification is a T = k+1 forward. Layers are a Python list
-(unrolled under jit): slicing a stacked `[L, ...]` weight per layer measured 9x slower here.
+measured on this trunk), and speculative verification is a T = k+1 forward. Layers are a tuple
+of per-layer params (unrolled under jit): slicing a stacked `[L, ...]` weight per layer measured
+9x slower here.
 
-Params pytree (float32 unless a loader says otherwise):
-    embed [V, D]; final_norm [D]; lm_head [V, D] (absent when cfg.tie_embeddings)
-    layers: list of L dicts
-        attn_norm [D]; q_proj [N*H, D]; k_proj [K*H, D]; v_proj [K*H, D]; o_proj [D, N*H]
-        q_bias [N*H]; k_bias [K*H]; v_bias [K*H]   (cfg.attention_bias)
-        q_norm [H]; k_norm [H]                       (cfg.qk_norm)
-        mlp_norm [D]; gate_proj [F, D]; up_proj [F, D]; down_proj [D, F]
+Params: `LlamaParams` (float32 unless a loader says otherwise), each field's shape and logical
+axes declared on the type (jaxspec.models.params); a layer is `layers.LlamaLayer`. `params_from`
+builds the tree for a config from any per-leaf function, so init, shapes and checkpoint tensor
+names share one structure.
 Q/K rows follow HF's rotate-half RoPE convention (the GGUF tensor map undoes llama.cpp's permutation).
 
 `FAMILY`, at the end of this module, describes the layout to the loaders (jaxspec.models.family):
-shapes, logical axes, HF and GGUF tensor names, and the GGUF config parse.
+shapes, HF and GGUF tensor names, and the GGUF config parse.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxspec.cache import KVCache
 from jaxspec.config import (
@@ -45,12 +44,61 @@ from jaxspec.config import (
 )
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models.family import Family, TensorSource
-from jaxspec.models.layers import decoder_layer, logits_head, output_head, rms_norm, rope_tables
+from jaxspec.models.layers import (
+    AttentionParams,
+    LlamaLayer,
+    MlpParams,
+    decoder_layer,
+    logits_head,
+    output_head,
+    rms_norm,
+    rope_tables,
+)
+from jaxspec.models.params import param
 from jaxspec.pallas.flash_decode import Attention
 
-Params = dict[str, Any]
 
-def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
+@struct.dataclass
+class LlamaParams:
+    """A Llama-family trunk's params."""
+
+    embed: jax.Array = param(axes=("vocab", "embed"))  # [V, D]
+    layers: tuple[LlamaLayer, ...]  # L layers, unrolled under jit (module docstring)
+    final_norm: jax.Array = param(axes=("embed",))  # [D]
+    lm_head: jax.Array | None = param(axes=("vocab", "embed"))  # [V, D]; None when cfg.tie_embeddings
+
+
+def layer_from(cfg: ModelConfig, leaf: Callable[[str], Any]) -> LlamaLayer:
+    """One layer of `cfg`'s kind, each param `leaf(name)` (names: `layer_shapes`' keys, asked in
+    that order); the bias and QK-norm fields are None unless the config has them."""
+
+    def optional(name: str, present: bool) -> Any:
+        return leaf(name) if present else None
+
+    attn_norm = leaf("attn_norm")
+    attention = AttentionParams(
+        q_proj=leaf("q_proj"), k_proj=leaf("k_proj"), v_proj=leaf("v_proj"), o_proj=leaf("o_proj"),
+        q_bias=optional("q_bias", cfg.attention_bias), k_bias=optional("k_bias", cfg.attention_bias),
+        v_bias=optional("v_bias", cfg.attention_bias),
+        q_norm=optional("q_norm", cfg.qk_norm), k_norm=optional("k_norm", cfg.qk_norm))
+    mlp_norm = leaf("mlp_norm")
+    mlp = MlpParams(gate_proj=leaf("gate_proj"), up_proj=leaf("up_proj"), down_proj=leaf("down_proj"))
+    return LlamaLayer(attn_norm=attn_norm, attention=attention, mlp_norm=mlp_norm, mlp=mlp)
+
+
+def params_from(cfg: ModelConfig, leaf: Callable[[str, int | None], Any]) -> LlamaParams:
+    """The params tree of `cfg`, each param `leaf(name, layer index)` (index None at the top:
+    embed, final_norm, lm_head), asked in checkpoint order: embed, layer by layer, the rest."""
+    return LlamaParams(
+        embed=leaf("embed", None),
+        layers=tuple(layer_from(cfg, lambda name, index=index: leaf(name, index))
+                     for index in range(cfg.num_layers)),
+        final_norm=leaf("final_norm", None),
+        lm_head=None if cfg.tie_embeddings else leaf("lm_head", None),
+    )
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> LlamaParams:
     """Random params of the right shapes (tests and benchmarks of untrained shapes)."""
     D, N, K, H, F, V = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
     # Draws per layer: 7 matrices, 3 biases, 2 QK-norms. At least 8 keys per layer, as ever, so
@@ -62,7 +110,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
         return scale * jax.random.normal(next(keys), shape, jnp.float32)
 
     layers = []
-    for _ in range(cfg.num_layers):
+    for _ in range(cfg.num_layers):  # drawn in this order whatever the params' field order
         layer = {
             "attn_norm": jnp.ones((D,)), "q_proj": normal(N * H, D), "k_proj": normal(K * H, D),
             "v_proj": normal(K * H, D), "o_proj": normal(D, N * H), "mlp_norm": jnp.ones((D,)),
@@ -73,14 +121,14 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
         if cfg.qk_norm:
             layer |= {"q_norm": 1.0 + normal(H), "k_norm": 1.0 + normal(H)}
         layers.append(layer)
-    params = {"embed": normal(V, D), "layers": layers, "final_norm": jnp.ones((D,))}
+    top = {"embed": normal(V, D), "final_norm": jnp.ones((D,))}
     if not cfg.tie_embeddings:
-        params["lm_head"] = normal(V, D)
-    return params
+        top["lm_head"] = normal(V, D)
+    return params_from(cfg, lambda name, index: top[name] if index is None else layers[index][name])
 
 
 def forward(
-    params: Params,
+    params: LlamaParams,
     cfg: ModelConfig,
     tokens: jax.Array,
     cache: KVCache,
@@ -113,9 +161,9 @@ def forward(
         positions = offsets[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(cfg, positions)
 
-    h = jnp.take(params["embed"], tokens.reshape(-1), axis=0).T  # [D, B*T]
+    h = jnp.take(params.embed, tokens.reshape(-1), axis=0).T  # [D, B*T]
     new_keys, new_values, hiddens = [], [], {-1: h}
-    for index, layer in enumerate(params["layers"]):
+    for index, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{index}"):
             h, k_buf, v_buf = decoder_layer(layer, cfg, h, cos, sin, cache.keys[index], cache.values[index],
                                             offsets, batch, steps, qk_norm=cfg.qk_norm, attention=attention)
@@ -124,16 +172,16 @@ def forward(
         if index in hidden_layers:
             hiddens[index] = h
 
-    h = rms_norm(h, params["final_norm"], cfg.norm_eps)
+    h = rms_norm(h, params.final_norm, cfg.norm_eps)
     hiddens[cfg.num_layers] = h
-    logits = logits_head(output_head(params, tied=cfg.tie_embeddings), h, batch, steps, logit_indices)  # [B, P, V]
+    logits = logits_head(output_head(params.embed, params.lm_head), h, batch, steps, logit_indices)  # [B, P, V]
     hidden_out = tuple(hiddens[i].reshape(cfg.dim, batch, steps).transpose(1, 2, 0) for i in hidden_layers)
     cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values))
     return logits, hidden_out, cache
 
 
 # ----------------------------------------------------------------------------------------------
-# The family descriptor: shapes, logical axes, HF and GGUF tensor names, GGUF config
+# The family descriptor: shapes, HF and GGUF tensor names, GGUF config
 # ----------------------------------------------------------------------------------------------
 
 
@@ -151,33 +199,11 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def param_shapes(cfg: ModelConfig) -> Params:
-    """The params pytree with shape tuples as leaves (what every loader must produce)."""
-    shapes: Params = {"embed": (cfg.vocab_size, cfg.dim), "layers": [layer_shapes(cfg) for _ in range(cfg.num_layers)],
-                      "final_norm": (cfg.dim,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head"] = (cfg.vocab_size, cfg.dim)
-    return shapes
-
-
-# Logical axis names per parameter (DESIGN.md contract 8): `heads` and `ffn` shard tensor-parallel.
-LAYER_AXES = {
-    "attn_norm": ("embed",), "q_proj": ("heads", "embed"), "k_proj": ("kv_heads", "embed"),
-    "v_proj": ("kv_heads", "embed"), "o_proj": ("embed", "heads"),
-    "q_bias": ("heads",), "k_bias": ("kv_heads",), "v_bias": ("kv_heads",),
-    "q_norm": (None,), "k_norm": (None,),  # per head dim: every head shares them
-    "mlp_norm": ("embed",), "gate_proj": ("ffn", "embed"), "up_proj": ("ffn", "embed"),
-    "down_proj": ("embed", "ffn"),
-}
-TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("vocab", "embed")}
-
-
-def param_axes(cfg: ModelConfig) -> Params:
-    """The params pytree with each leaf's tuple of logical axis names (same structure as param_shapes)."""
-    shapes = param_shapes(cfg)
-    axes = {name: TOP_AXES[name] for name in shapes if name != "layers"}
-    axes["layers"] = [{name: LAYER_AXES[name] for name in layer} for layer in shapes["layers"]]
-    return axes
+def param_shapes(cfg: ModelConfig) -> LlamaParams:
+    """The params tree with shape tuples as leaves (what every loader must produce)."""
+    top = {"embed": (cfg.vocab_size, cfg.dim), "final_norm": (cfg.dim,), "lm_head": (cfg.vocab_size, cfg.dim)}
+    layer = layer_shapes(cfg)
+    return params_from(cfg, lambda name, index: top[name] if index is None else layer[name])
 
 
 # params key -> tensor name after the trunk's prefix ("model."); lm_head is never prefixed.
@@ -205,14 +231,15 @@ GGUF_ARCHITECTURES = {"llama": Architecture.LLAMA, "mistral": Architecture.MISTR
 PERMUTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral"})
 
 
-def hf_tensors(cfg: ModelConfig, prefix: str) -> Params:
+def hf_tensors(cfg: ModelConfig, prefix: str) -> LlamaParams:
     """The params tree of HF tensor names under `prefix` ("model." or "" for a bare trunk)."""
-    shapes = param_shapes(cfg)
-    names = {key: TensorSource(HF_NAMES[key] if key == "lm_head" else prefix + HF_NAMES[key])
-             for key in shapes if key != "layers"}
-    names["layers"] = [{key: TensorSource(f"{prefix}layers.{index}.{HF_NAMES[key]}") for key in layer}
-                       for index, layer in enumerate(shapes["layers"])]
-    return names
+
+    def source(key: str, index: int | None) -> TensorSource:
+        if index is not None:
+            return TensorSource(f"{prefix}layers.{index}.{HF_NAMES[key]}")
+        return TensorSource(HF_NAMES[key] if key == "lm_head" else prefix + HF_NAMES[key])
+
+    return params_from(cfg, source)
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -225,21 +252,18 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(cfg: ModelConfig, arch: str) -> Params:
+def gguf_tensors(cfg: ModelConfig, arch: str) -> LlamaParams:
     """The params tree of GGUF tensor names for a file of `general.architecture` `arch`."""
     permuted = arch in PERMUTED_GGUF_ARCHITECTURES
     heads = {"q_proj": cfg.num_heads, "q_bias": cfg.num_heads, "k_proj": cfg.num_kv_heads, "k_bias": cfg.num_kv_heads}
 
-    def source(key: str, name: str) -> TensorSource:
+    def source(key: str, index: int | None) -> TensorSource:
+        name = GGUF_NAMES[key] if index is None else f"blk.{index}.{GGUF_NAMES[key]}"
         if permuted and key in heads:
             return TensorSource(name, functools.partial(unpermute_rows, n_head=heads[key]))
         return TensorSource(name)
 
-    shapes = param_shapes(cfg)
-    names = {key: source(key, GGUF_NAMES[key]) for key in shapes if key != "layers"}
-    names["layers"] = [{key: source(key, f"blk.{index}.{GGUF_NAMES[key]}") for key in layer}
-                       for index, layer in enumerate(shapes["layers"])]
-    return names
+    return params_from(cfg, source)
 
 
 def _uniform(value: Any, key: str, source: str) -> int:
@@ -320,6 +344,7 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
 FAMILY = Family(
     name="llama",
     config_class=ModelConfig,
+    params_class=LlamaParams,
     forward=forward,
     create_cache=KVCache.create,
     hf_model_types=tuple(HF_MODEL_TYPES),
@@ -329,7 +354,6 @@ FAMILY = Family(
     hf_tensors=hf_tensors,
     architecture=lambda cfg: cfg.architecture.value,
     param_shapes=param_shapes,
-    param_axes=param_axes,
     config_to_dict=config_to_dict,
     config_from_dict=config_from_dict,
     gguf_architectures=tuple(GGUF_ARCHITECTURES),

@@ -18,30 +18,30 @@ further depth, but the first chained on its own output drafts every depth exactl
 keeps the output exact whatever proposes), so jaxspec loads the first and chains it, as vLLM
 does for k > num_nextn_predict_layers.
 
-Params pytree (float32; weights [out, in]):
-    enorm [D]; hnorm [D]; eh_proj [D, 2D]; post_norm [D]
-    block: one trunk layer, run by `layers.decoder_layer` (llama.py's layer dict: attn_norm,
-           q/k/v/o_proj, [q_norm, k_norm], mlp_norm, gate/up/down_proj)
+Params: `MtpParams` (float32; weights [out, in]): the projection's norms and weight, and one
+trunk layer (`layers.LlamaLayer`, run by `layers.decoder_layer`) as its block. `params_from`
+builds it from per-tensor values under flat names ("enorm", ..., "block.q_proj": a block
+param is "block." + its `llama.layer_shapes` key), the names an MTP head file stores.
 The embedding and lm_head are the target's, passed in beside these params.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.config import config_from_hf as trunk_config_from_hf
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models import llama
-from jaxspec.models.layers import decoder_layer, logits_head, rms_norm, rope_tables
-
-Params = dict[str, Any]
+from jaxspec.models.layers import LlamaLayer, decoder_layer, logits_head, rms_norm, rope_tables
+from jaxspec.models.params import param
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,19 +59,53 @@ class MtpConfig:
         return self.block.vocab_size
 
 
-def init_params(cfg: MtpConfig, key: jax.Array, scale: float = 0.05) -> Params:
+@struct.dataclass
+class MtpParams:
+    """An MTP head: [enorm(e); hnorm(h)] projected to D, one trunk layer, a final norm."""
+
+    enorm: jax.Array = param(axes=("embed",))  # [D], on the token embedding
+    hnorm: jax.Array = param(axes=("embed",))  # [D], on the target's hidden
+    eh_proj: jax.Array = param(axes=("embed", None))  # [D, 2D]
+    post_norm: jax.Array = param(axes=("embed",))  # [D]
+    block: LlamaLayer  # one layer of the target's kind
+
+
+def leaf_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
+    """Every param's shape by its flat name (see the module docstring), in checkpoint order."""
+    D = cfg.dim
+    block = {f"block.{name}": shape for name, shape in llama.layer_shapes(cfg.block).items()}
+    return {"enorm": (D,), "hnorm": (D,), "eh_proj": (D, 2 * D), "post_norm": (D,), **block}
+
+
+def params_from(cfg: MtpConfig, leaf: Callable[[str], Any]) -> MtpParams:
+    """The head's params, each `leaf(name)` for a flat name of `leaf_shapes`."""
+    enorm, hnorm, eh_proj, post_norm = leaf("enorm"), leaf("hnorm"), leaf("eh_proj"), leaf("post_norm")
+    block = llama.layer_from(cfg.block, lambda name: leaf(f"block.{name}"))
+    return MtpParams(enorm=enorm, hnorm=hnorm, eh_proj=eh_proj, post_norm=post_norm, block=block)
+
+
+def named_leaves(params: MtpParams, cfg: MtpConfig) -> dict[str, jax.Array]:
+    """The head's arrays by their flat names (the inverse of `params_from`)."""
+    names = jax.tree.leaves(params_from(cfg, lambda name: name))
+    return dict(zip(names, jax.tree.leaves(params), strict=True))
+
+
+def init_params(cfg: MtpConfig, key: jax.Array, scale: float = 0.05) -> MtpParams:
     """Random head params (tests): norms near 1, a random trunk layer."""
     D = cfg.dim
     keys = jax.random.split(key, 6)
-    block = llama.init_params(dataclasses.replace(cfg.block, num_layers=1), keys[0], scale)["layers"][0]
-    block = {name: value + scale * jax.random.normal(keys[1], value.shape) if name.endswith("norm") else value
-             for name, value in block.items()}
+    block = llama.init_params(dataclasses.replace(cfg.block, num_layers=1), keys[0], scale).layers[0]
+
+    def perturb_norm(path, value):  # attn_norm, mlp_norm, q_norm, k_norm
+        return value + scale * jax.random.normal(keys[1], value.shape) if path[-1].name.endswith("norm") else value
+
+    block = jax.tree_util.tree_map_with_path(perturb_norm, block)
 
     def norm(k):
         return 1.0 + scale * jax.random.normal(k, (D,))
 
-    return {"enorm": norm(keys[2]), "hnorm": norm(keys[3]), "post_norm": norm(keys[4]),
-            "eh_proj": scale * jax.random.normal(keys[5], (D, 2 * D)), "block": block}
+    return MtpParams(enorm=norm(keys[2]), hnorm=norm(keys[3]), post_norm=norm(keys[4]),
+                     eh_proj=scale * jax.random.normal(keys[5], (D, 2 * D)), block=block)
 
 
 def create_cache(cfg: MtpConfig, batch: int, capacity: int) -> KVCache:
@@ -79,7 +113,7 @@ def create_cache(cfg: MtpConfig, batch: int, capacity: int) -> KVCache:
 
 
 def forward(
-    params: Params,
+    params: MtpParams,
     cfg: MtpConfig,
     embed: jax.Array,
     lm_head: jax.Array,
@@ -98,12 +132,12 @@ def forward(
     positions = cache.length[:, None] + 1 + jnp.arange(steps, dtype=jnp.int32)[None, :]  # token p + 1's position
     cos, sin = rope_tables(block_cfg, positions)
 
-    e = rms_norm(jnp.take(embed, tokens.reshape(-1), axis=0).T, params["enorm"], block_cfg.norm_eps)
-    hidden = rms_norm(h.reshape(batch * steps, cfg.dim).T, params["hnorm"], block_cfg.norm_eps)
-    projected = params["eh_proj"] @ jnp.concatenate([hidden, e] if cfg.hidden_first else [e, hidden], axis=0)
-    y, keys, values = decoder_layer(params["block"], block_cfg, projected, cos, sin, cache.keys[0], cache.values[0],
+    e = rms_norm(jnp.take(embed, tokens.reshape(-1), axis=0).T, params.enorm, block_cfg.norm_eps)
+    hidden = rms_norm(h.reshape(batch * steps, cfg.dim).T, params.hnorm, block_cfg.norm_eps)
+    projected = params.eh_proj @ jnp.concatenate([hidden, e] if cfg.hidden_first else [e, hidden], axis=0)
+    y, keys, values = decoder_layer(params.block, block_cfg, projected, cos, sin, cache.keys[0], cache.values[0],
                                     cache.length, batch, steps, qk_norm=block_cfg.qk_norm)
-    out = rms_norm(y, params["post_norm"], block_cfg.norm_eps)  # [D, B*T]
+    out = rms_norm(y, params.post_norm, block_cfg.norm_eps)  # [D, B*T]
     logits = logits_head(lm_head, out, batch, steps)  # [B, T, V]
     out = out.reshape(cfg.dim, batch, steps).transpose(1, 2, 0)
     return logits, out, cache.replace(keys=(keys,), values=(values,))

@@ -40,14 +40,10 @@ Layout follows `llama.py`: weights `[out, in]` as HF stores them, activations fe
 DeltaNet letters (beside STYLE.md's): E value heads (the state's heads), J key heads, X key head
 dim, Y value head dim, C conv channels (2*J*X + E*Y), W conv kernel, R rollback states.
 
-Params pytree (float32):
-    embed [V, D]; final_norm [D]; lm_head [V, D] (absent when cfg.tie_embeddings)
-    layers: list of L dicts, by cfg.layer_types[i]
-        every layer: attn_norm [D]; mlp_norm [D]; gate_proj [F, D]; up_proj [F, D]; down_proj [D, F]
-        FULL_ATTENTION: q_proj [N*2H, D] (per head H query rows, then H gate rows, as HF fuses them);
-            k_proj [K*H, D]; v_proj [K*H, D]; o_proj [D, N*H]; q_norm [H]; k_norm [H]
-        LINEAR_ATTENTION: qkv_proj [C, D]; z_proj [E*Y, D]; b_proj [E, D]; a_proj [E, D];
-            conv_weight [C, W]; A_log [E]; dt_bias [E]; out_norm [Y]; out_proj [D, E*Y]
+Params: `Qwen35Params` (float32), its layers by cfg.layer_types[i] a `FullAttentionLayer`
+(q_proj [N*2H, D]: per head H query rows, then H gate rows, as HF fuses them; QK-norm) or a
+`DeltaNetLayer` (`gated_deltanet.DeltaNetParams`), each with its norms and SwiGLU MLP; shapes and
+logical axes are declared on the types. `params_from` builds the tree from per-leaf values.
 RMSNorm weights are stored as the multiplier: HF's Qwen3.5 norms are zero-centred (x * (1 + w)),
 and the family descriptor's HF tensor map (end of this module) adds the 1 once on load, so the
 forward shares `layers.rms_norm`. The gated output norm
@@ -60,7 +56,7 @@ import dataclasses
 import enum
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -73,19 +69,27 @@ from jaxspec.config import RopeScaling, _rope_settings, from_json_dict, resolve_
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models.family import Family, TensorSource
 from jaxspec.models.gated_deltanet import (
+    DeltaNetParams,
     DeltaRule,
     chunk_end_state,
     conv_windows,
     gated_delta_net,
     heads_first,
 )
-from jaxspec.models.layers import logits_head, output_head, rms_norm, rope_tables, self_attention, swiglu
+from jaxspec.models.layers import (
+    AttentionParams,
+    MlpParams,
+    logits_head,
+    output_head,
+    rms_norm,
+    rope_tables,
+    self_attention,
+    swiglu,
+)
+from jaxspec.models.params import is_shape, param
 from jaxspec.pallas import kv_quant
 from jaxspec.pallas.flash_decode import Attention
 from jaxspec.pallas.kv_quant import Packed
-
-Params = dict[str, Any]
-
 
 class LayerType(enum.Enum):
     LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet
@@ -418,20 +422,19 @@ def _check_restorable(ok, target, length, oldest, steps: int, history: int, *, o
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_params(params: Params, cfg: Qwen35Config) -> None:
+def _check_params(params: Qwen35Params, cfg: Qwen35Config) -> None:
     """At trace time: the params must have one layer per config layer, of the config's kind."""
-    layers = params["layers"]
+    layers = params.layers
     if len(layers) != cfg.num_layers:
         raise UnsupportedModelError(f"params have {len(layers)} layers but num_layers is {cfg.num_layers}")
     for index, (layer, kind) in enumerate(zip(layers, cfg.layer_types)):
-        missing = sorted(set(layer_shapes(cfg, kind)) - set(layer))
-        if missing:
-            raise UnsupportedModelError(
-                f"params layer {index} lacks {missing} for layer_types[{index}]={kind.value!r}")
+        if not isinstance(layer, _LAYER_TYPES[kind]):
+            raise UnsupportedModelError(f"params layer {index} is a {type(layer).__name__}, but "
+                                        f"layer_types[{index}]={kind.value!r} needs a {_LAYER_TYPES[kind].__name__}")
 
 
 def forward(
-    params: Params,
+    params: Qwen35Params,
     cfg: Qwen35Config,
     tokens: jax.Array,
     cache: Qwen35Cache,
@@ -462,30 +465,30 @@ def forward(
         positions = offsets[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(cfg, positions)  # [R/2, B, T]
 
-    h = jnp.take(params["embed"], tokens.reshape(-1), axis=0).T  # [D, B*T]
+    h = jnp.take(params.embed, tokens.reshape(-1), axis=0).T  # [D, B*T]
     new_keys, new_values, hiddens = [], [], {-1: h}
     recorded: list[dict[str, jax.Array]] = []
-    for index, (layer, kind) in enumerate(zip(params["layers"], cfg.layer_types)):
+    for index, (layer, kind) in enumerate(zip(params.layers, cfg.layer_types)):
         with jax.named_scope(f"layer_{index}_{kind.value}"):
-            x = rms_norm(h, layer["attn_norm"], cfg.norm_eps)
+            x = rms_norm(h, layer.attn_norm, cfg.norm_eps)
             if kind is LayerType.FULL_ATTENTION:
                 slot = len(new_keys)
-                mixed, k_buf, v_buf = self_attention(layer, cfg, x, cos, sin, cache.keys[slot], cache.values[slot],
+                mixed, k_buf, v_buf = self_attention(layer.attention, cfg, x, cos, sin, cache.keys[slot], cache.values[slot],
                                                      offsets, batch, steps, qk_norm=True, output_gate=True,
                                                      attention=attention)
                 new_keys.append(k_buf)
                 new_values.append(v_buf)
             else:
                 conv_window, state = cache.current_state(len(recorded))
-                mixed, pending = gated_delta_net(layer, cfg, x, conv_window, state, batch, steps, delta_rule)
+                mixed, pending = gated_delta_net(layer.delta_net, cfg, x, conv_window, state, batch, steps, delta_rule)
                 recorded.append(pending)
             h = h + mixed
-            h = h + swiglu(layer, rms_norm(h, layer["mlp_norm"], cfg.norm_eps))
+            h = h + swiglu(layer.mlp, rms_norm(h, layer.mlp_norm, cfg.norm_eps))
         hiddens[index] = h
 
-    h = rms_norm(h, params["final_norm"], cfg.norm_eps)
+    h = rms_norm(h, params.final_norm, cfg.norm_eps)
     hiddens[cfg.num_layers] = h  # the final-normed stream (llama.py's convention)
-    logits = logits_head(output_head(params, tied=cfg.tie_embeddings), h, batch, steps, logit_indices)  # [B, P, V]
+    logits = logits_head(output_head(params.embed, params.lm_head), h, batch, steps, logit_indices)  # [B, P, V]
     hidden_out = tuple(hiddens[i].reshape(cfg.dim, batch, steps).transpose(1, 2, 0) for i in hidden_layers)
 
     pending = None
@@ -501,22 +504,88 @@ def forward(
 # ----------------------------------------------------------------------------------------------
 
 
-def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Params:
+@struct.dataclass
+class FullAttentionLayer:
+    """A gated-attention layer: QK-norm, partial RoPE, sigmoid output gate (no biases)."""
+
+    attn_norm: jax.Array = param(axes=("embed",))  # [D]
+    attention: AttentionParams  # q_proj [N*2H, D]; k_proj, v_proj [K*H, D]; o_proj [D, N*H]; q/k_norm [H]
+    mlp_norm: jax.Array = param(axes=("embed",))  # [D]
+    mlp: MlpParams
+
+
+@struct.dataclass
+class DeltaNetLayer:
+    """A Gated DeltaNet (linear attention) layer."""
+
+    attn_norm: jax.Array = param(axes=("embed",))  # [D]
+    delta_net: DeltaNetParams
+    mlp_norm: jax.Array = param(axes=("embed",))  # [D]
+    mlp: MlpParams
+
+
+@struct.dataclass
+class Qwen35Params:
+    """A Qwen3.5 hybrid trunk's params."""
+
+    embed: jax.Array = param(axes=("vocab", "embed"))  # [V, D]
+    layers: tuple[FullAttentionLayer | DeltaNetLayer, ...]  # by cfg.layer_types
+    final_norm: jax.Array = param(axes=("embed",))  # [D]
+    lm_head: jax.Array | None = param(axes=("vocab", "embed"))  # [V, D]; None when cfg.tie_embeddings
+
+
+_LAYER_TYPES = {LayerType.FULL_ATTENTION: FullAttentionLayer, LayerType.LINEAR_ATTENTION: DeltaNetLayer}
+_DELTA_NET_NAMES = tuple(field.name for field in dataclasses.fields(DeltaNetParams))
+
+
+def layer_from(kind: LayerType, leaf: Callable[[str], Any]) -> FullAttentionLayer | DeltaNetLayer:
+    """One layer of `kind`, each param `leaf(name)` (names: `layer_shapes`' keys, in that order)."""
+    attn_norm = leaf("attn_norm")
+    if kind is LayerType.FULL_ATTENTION:
+        attention = AttentionParams(q_proj=leaf("q_proj"), k_proj=leaf("k_proj"), v_proj=leaf("v_proj"),
+                                    o_proj=leaf("o_proj"), q_bias=None, k_bias=None, v_bias=None,
+                                    q_norm=leaf("q_norm"), k_norm=leaf("k_norm"))
+    else:
+        delta_net = DeltaNetParams(**{name: leaf(name) for name in _DELTA_NET_NAMES})
+    mlp_norm = leaf("mlp_norm")
+    mlp = MlpParams(gate_proj=leaf("gate_proj"), up_proj=leaf("up_proj"), down_proj=leaf("down_proj"))
+    if kind is LayerType.FULL_ATTENTION:
+        return FullAttentionLayer(attn_norm=attn_norm, attention=attention, mlp_norm=mlp_norm, mlp=mlp)
+    return DeltaNetLayer(attn_norm=attn_norm, delta_net=delta_net, mlp_norm=mlp_norm, mlp=mlp)
+
+
+def params_from(cfg: Qwen35Config, leaf: Callable[[str, int | None], Any]) -> Qwen35Params:
+    """The params tree of `cfg`, each param `leaf(name, layer index)` (index None at the top:
+    embed, final_norm, lm_head), asked in checkpoint order: embed, layer by layer, the rest."""
+    return Qwen35Params(
+        embed=leaf("embed", None),
+        layers=tuple(layer_from(kind, lambda name, index=index: leaf(name, index))
+                     for index, kind in enumerate(cfg.layer_types)),
+        final_norm=leaf("final_norm", None),
+        lm_head=None if cfg.tie_embeddings else leaf("lm_head", None),
+    )
+
+
+def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Qwen35Params:
     """Random params of the right shapes (tests and benchmarks of untrained shapes).
 
     Norm multipliers are 1 + noise, decay rates A in [0.05, 0.5] so the recurrent state keeps a
     memory over tens of tokens (which a wrong rollback would show in the output). All draws come
     from one normal and one uniform call, so building params costs two RNG programs, not 40.
     """
-    shapes = jax.tree.leaves(param_shapes(cfg), is_leaf=lambda leaf: isinstance(leaf, tuple))
+    # Drawn over a name-keyed tree in jax's sorted-key leaf order, so a seed keeps its params.
+    by_name = {"embed": (cfg.vocab_size, cfg.dim), "layers": [layer_shapes(cfg, kind) for kind in cfg.layer_types],
+               "final_norm": (cfg.dim,)}
+    if not cfg.tie_embeddings:
+        by_name["lm_head"] = (cfg.vocab_size, cfg.dim)
+    shapes = jax.tree.leaves(by_name, is_leaf=is_shape)
     normal_key, uniform_key = jax.random.split(key)
     sizes = [math.prod(shape) for shape in shapes]
     flat = np.asarray(jax.random.normal(normal_key, (sum(sizes),), jnp.float32)) * scale
     uniform = np.asarray(jax.random.uniform(uniform_key, (len(cfg.linear_layers), cfg.linear_num_value_heads),
                                             minval=0.05, maxval=0.5))
     pieces = iter(np.split(flat, np.cumsum(sizes)[:-1]))
-    params = jax.tree.map(lambda shape: next(pieces).reshape(shape), param_shapes(cfg),
-                          is_leaf=lambda leaf: isinstance(leaf, tuple))
+    params = jax.tree.map(lambda shape: next(pieces).reshape(shape), by_name, is_leaf=is_shape)
     params["final_norm"] = 1.0 + params["final_norm"]
     for index, layer in zip(cfg.linear_layers, uniform):
         params["layers"][index]["conv_weight"] *= 0.3 / scale
@@ -526,11 +595,12 @@ def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Param
         for norm in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "out_norm"):
             if norm in layer:
                 layer[norm] = 1.0 + layer[norm]
-    return jax.tree.map(jnp.asarray, params)
+    params = jax.tree.map(jnp.asarray, params)
+    return params_from(cfg, lambda name, index: params[name] if index is None else params["layers"][index][name])
 
 
 # ----------------------------------------------------------------------------------------------
-# The family descriptor: shapes, logical axes, HF config.json and tensor names
+# The family descriptor: shapes, HF config.json and tensor names
 # ----------------------------------------------------------------------------------------------
 
 def layer_shapes(cfg: Qwen35Config, kind: LayerType) -> dict[str, tuple[int, ...]]:
@@ -549,39 +619,16 @@ def layer_shapes(cfg: Qwen35Config, kind: LayerType) -> dict[str, tuple[int, ...
             "down_proj": (D, F)}
 
 
-def param_shapes(cfg: Qwen35Config) -> Params:
-    """The params pytree with shape tuples as leaves (what every loader must produce)."""
-    shapes: Params = {"embed": (cfg.vocab_size, cfg.dim),
-                      "layers": [layer_shapes(cfg, kind) for kind in cfg.layer_types],
-                      "final_norm": (cfg.dim,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head"] = (cfg.vocab_size, cfg.dim)
-    return shapes
+def param_shapes(cfg: Qwen35Config) -> Qwen35Params:
+    """The params tree with shape tuples as leaves (what every loader must produce)."""
+    top = {"embed": (cfg.vocab_size, cfg.dim), "final_norm": (cfg.dim,), "lm_head": (cfg.vocab_size, cfg.dim)}
+    layers = [layer_shapes(cfg, kind) for kind in cfg.layer_types]
+    return params_from(cfg, lambda name, index: top[name] if index is None else layers[index][name])
 
 
-# Logical axis names per parameter (DESIGN.md contract 8): heads and ffn shard tensor-parallel.
-LAYER_AXES = {
-    "attn_norm": ("embed",), "mlp_norm": ("embed",),
-    "gate_proj": ("ffn", "embed"), "up_proj": ("ffn", "embed"), "down_proj": ("embed", "ffn"),
-    "q_proj": ("heads", "embed"), "k_proj": ("kv_heads", "embed"), "v_proj": ("kv_heads", "embed"),
-    "o_proj": ("embed", "heads"), "q_norm": (None,), "k_norm": (None,),
-    "qkv_proj": ("linear_channels", "embed"), "z_proj": ("linear_heads", "embed"),
-    "b_proj": ("linear_heads", "embed"), "a_proj": ("linear_heads", "embed"),
-    "conv_weight": ("linear_channels", None), "A_log": ("linear_heads",), "dt_bias": ("linear_heads",),
-    "out_norm": (None,), "out_proj": ("embed", "linear_heads"),
-}
-TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("vocab", "embed")}
 # Cache axes: the ring and state shard over batch and the DeltaNet's value heads.
 SSM_AXES = ("batch", None, "linear_heads", None, None)
 CONV_AXES = ("batch", None, None, "linear_channels")
-
-
-def param_axes(cfg: Qwen35Config) -> Params:
-    """The params pytree with each leaf's tuple of logical axis names (same structure as param_shapes)."""
-    shapes = param_shapes(cfg)
-    axes = {name: TOP_AXES[name] for name in shapes if name != "layers"}
-    axes["layers"] = [{name: LAYER_AXES[name] for name in layer} for layer in shapes["layers"]]
-    return axes
 
 
 HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -703,16 +750,19 @@ def _hf_source(key: str, name: str, note: str = "") -> TensorSource:
     return TensorSource(name, transform, note)
 
 
-def hf_tensors(cfg: Qwen35Config, prefix: str) -> Params:
+def hf_tensors(cfg: Qwen35Config, prefix: str) -> Qwen35Params:
     """The params tree of HF tensor names under `prefix` (one of _HF_PREFIXES), with transforms."""
-    names: Params = {key: _hf_source(key, prefix + name) for key, name in _HF_TOP.items()}
-    names["layers"] = [{key: _hf_source(key, f"{prefix}layers.{index}.{name}",
-                                        f" (layer {index} is {kind.value} per config layer_types)")
-                        for key, name in {**_HF_COMMON, **_HF_MIXER[kind]}.items()}
-                       for index, kind in enumerate(cfg.layer_types)]
-    if not cfg.tie_embeddings:
-        names["lm_head"] = TensorSource("lm_head.weight", note=" (tie_word_embeddings is false)")
-    return names
+
+    def source(key: str, index: int | None) -> TensorSource:
+        if key == "lm_head":
+            return TensorSource("lm_head.weight", note=" (tie_word_embeddings is false)")
+        if index is None:
+            return _hf_source(key, prefix + _HF_TOP[key])
+        kind = cfg.layer_types[index]
+        return _hf_source(key, f"{prefix}layers.{index}.{({**_HF_COMMON, **_HF_MIXER[kind]})[key]}",
+                          f" (layer {index} is {kind.value} per config layer_types)")
+
+    return params_from(cfg, source)
 
 
 def config_to_dict(cfg: Qwen35Config) -> dict[str, Any]:
@@ -728,6 +778,7 @@ def config_from_dict(data: Mapping[str, Any]) -> Qwen35Config:
 FAMILY = Family(
     name="qwen3_5",
     config_class=Qwen35Config,
+    params_class=Qwen35Params,
     forward=forward,
     create_cache=Qwen35Cache.create,
     hf_model_types=HF_MODEL_TYPES,
@@ -737,7 +788,6 @@ FAMILY = Family(
     hf_tensors=hf_tensors,
     architecture=lambda cfg: "qwen3_5",
     param_shapes=param_shapes,
-    param_axes=param_axes,
     config_to_dict=config_to_dict,
     config_from_dict=config_from_dict,
 )

@@ -192,7 +192,7 @@ def _mtp(target: Model, head: Model | None, options: DraftOptions, sampler: Samp
     cfg = _check_head(target, head, mtp.MtpConfig, Method.MTP, "MTP", "jaxspec.load_mtp(MODEL_DIR)")
     sample = _samples_drafts(sampler, options)
     proposer = proposers.Mtp(num_draft=options.num_draft_tokens, config=cfg, target_layers=target.config.num_layers,
-                             target_tied_embeddings=bool(target.config.tie_embeddings), sample=sample,
+                             sample=sample,
                              sampler=sampler if sample else None)
     return Speculation(Method.MTP, proposer, head)
 

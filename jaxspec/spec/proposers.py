@@ -326,7 +326,7 @@ class Eagle3(_FeatureHead):
         return self.config.vocab_size
 
     def draft_inputs(self, target_params, draft_model_params):
-        return {"head": draft_model_params, "embed": target_params["embed"]}
+        return {"head": draft_model_params, "embed": target_params.embed}
 
     def _encode(self, draft_params, hiddens):
         return eagle3.encode(draft_params["head"], hiddens)
@@ -352,7 +352,6 @@ class Mtp(_FeatureHead):
     num_draft: int
     config: "mtp.MtpConfig"
     target_layers: int  # the target's L: its hidden layer L is the stream after the final norm
-    target_tied_embeddings: bool = False  # the target's lm_head is its embedding
     sample: bool = False
     sampler: SamplerSpec | None = None
     name: str = "mtp"
@@ -366,8 +365,8 @@ class Mtp(_FeatureHead):
         return self.config.vocab_size
 
     def draft_inputs(self, target_params, draft_model_params):
-        lm_head = layers.output_head(target_params, tied=self.target_tied_embeddings)
-        return {"head": draft_model_params, "embed": target_params["embed"], "lm_head": lm_head}
+        lm_head = layers.output_head(target_params.embed, target_params.lm_head)  # the embedding when tied
+        return {"head": draft_model_params, "embed": target_params.embed, "lm_head": lm_head}
 
     def _encode(self, draft_params, hiddens):
         return hiddens[0]

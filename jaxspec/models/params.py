@@ -1,0 +1,64 @@
+"""Typed params: `flax.struct` dataclasses whose fields carry their logical axis names.
+
+Every trunk and head declares its params as frozen pytree dataclasses (`LlamaParams`,
+`Qwen35Params`, `Eagle3Params`, `MtpParams`, and the blocks they share: `AttentionParams`,
+`MlpParams`, `DeltaNetParams`). A field that holds an array is declared with `param(axes=...)`:
+one logical axis name per dimension, read by `logical_axes`, so a sharding rule (DESIGN.md
+contract 8) maps names to mesh axes without any model knowing about meshes. A field declared
+plainly (`layers`, a nested block) is structure: `logical_axes` walks into it.
+
+Logical axis names: "vocab", "embed", "heads", "kv_heads", "ffn", and None (replicated; e.g.
+a per-head-dim norm every head shares); Qwen3.5 adds "linear_heads" and "linear_channels".
+Optional params (biases, QK-norm, an untied lm_head) are None when the config has none: None
+is an empty pytree, so jit, optax and orbax see only the arrays that exist.
+
+The same dataclasses describe checkpoints: a family builds its params tree with any leaf
+type (shape tuples for `param_shapes`, `TensorSource`s for a file's tensor names, arrays),
+so a loader and the forward agree on the structure by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flax import struct
+
+Axes = tuple[str | None, ...]
+
+
+def param(*, axes: Axes) -> Any:
+    """A params field holding one array (or None when absent), with its logical axes."""
+    return struct.field(metadata={"axes": tuple(axes)})
+
+
+def is_shape(leaf: Any) -> bool:
+    """`is_leaf` for a params tree whose leaves are shape tuples (`Family.param_shapes`)."""
+    return isinstance(leaf, tuple) and all(isinstance(dim, int) for dim in leaf)
+
+
+def is_axes(leaf: Any) -> bool:
+    """`is_leaf` for `logical_axes` trees, whose leaves are axis-name tuples."""
+    return isinstance(leaf, tuple) and all(name is None or isinstance(name, str) for name in leaf)
+
+
+def logical_axes(tree: Any) -> Any:
+    """`tree` with every param leaf replaced by its field's axes tuple (None stays None).
+
+    Works on any tree of params dataclasses, whatever its leaves hold (arrays, shapes, tensor
+    sources): what a field holds is a leaf exactly when the field was declared with `param`.
+    """
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        updates = {}
+        for field in dataclasses.fields(tree):
+            value = getattr(tree, field.name)
+            if "axes" in field.metadata:
+                updates[field.name] = None if value is None else field.metadata["axes"]
+            else:
+                updates[field.name] = logical_axes(value)
+        return dataclasses.replace(tree, **updates)
+    if isinstance(tree, tuple | list):
+        return type(tree)(logical_axes(item) for item in tree)
+    if tree is None:
+        return None
+    raise TypeError(f"{type(tree).__name__} is not a params dataclass or a sequence of them")
