@@ -385,8 +385,23 @@ class Stream:
 
         state, prefill_seconds, compile_seconds = _timed(
             lambda: loop.prefill_jit(*args, request, spec=spec), f"prefill [{prepared.shape_summary}]")
-        new, running = [int(state.pending[0])], bool(state.running[0])
         decode_seconds = 0.0
+
+        def round_after(state):
+            nonlocal decode_seconds, compile_seconds
+            (state, committed), seconds, compiling = _timed(
+                lambda: loop.stream_step_jit(*args, state, request, spec=spec),
+                f"decode round [{prepared.shape_summary}]")
+            decode_seconds, compile_seconds = decode_seconds + seconds, compile_seconds + compiling
+            committed = jax.device_get(committed)  # k + 1 tokens, not the [1, S] history
+            return state, committed.tokens[0, : committed.count[0]].tolist(), bool(committed.running[0])
+
+        new, running = [int(state.pending[0])], bool(state.running[0])
+        if running:
+            # The first round runs (compiling its program) before any text is shown, so both
+            # programs' compile notices come before the answer instead of inside its first line.
+            state, first_round, running = round_after(state)
+            new += first_round
         while True:
             generated += new
             if decoder is None:
@@ -400,12 +415,7 @@ class Stream:
                     unsent = unsent[ready:]
             if stopped_by_string or not running:
                 break
-            (state, committed), seconds, compiling = _timed(
-                lambda: loop.stream_step_jit(*args, state, request, spec=spec),
-                f"decode round [{prepared.shape_summary}]")
-            decode_seconds, compile_seconds = decode_seconds + seconds, compile_seconds + compiling
-            committed = jax.device_get(committed)  # k + 1 tokens, not the [1, S] history
-            new, running = committed.tokens[0, : committed.count[0]].tolist(), bool(committed.running[0])
+            state, new, running = round_after(state)
         if decoder is not None and not stopped_by_string:
             unsent += decoder.flush()  # a trailing incomplete character, if generation ended mid-way
         if unsent:

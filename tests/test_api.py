@@ -31,6 +31,21 @@ def test_stream_yields_the_same_tokens(tiny_model):
     assert stream.result.stats.target_forwards == 9
 
 
+def test_stream_compiles_both_programs_before_the_first_token(tiny_model, capsys):
+    """On a terminal the notices go to stderr and the answer to stdout: every compile happens
+    before the first token, so no notice lands inside the answer's first line."""
+    capsys.readouterr()
+    tokens = iter(jaxspec.stream(tiny_model, [1, 2, 3], method="ngram", num_draft_tokens=7,  # a new k: new programs
+                                 max_new_tokens=12, ignore_eos=True))
+    first = next(tokens)
+    before_first = capsys.readouterr().err
+    rest = list(tokens)
+    assert [line.split(" [")[0] for line in before_first.splitlines() if "compiling" in line] == [
+        "jaxspec: compiling prefill", "jaxspec: compiling decode round"]
+    assert "compiling" not in capsys.readouterr().err
+    assert len([first, *rest]) == 12
+
+
 def test_what_does_not_recompile(tiny_model):
     """Within a prompt bucket and a max_new_tokens bucket, new stop tokens, EOS on or off and,
     when sampling, min_p on or off reuse the programs already compiled."""
