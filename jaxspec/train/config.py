@@ -1,0 +1,114 @@
+"""What shapes a training run and its compiled steps.
+
+`TrainConfig` holds a run's settings: checked on construction (bad values raise
+InvalidRequestError before anything is traced), hashable so it is static under jit, and saved
+beside the run's checkpoints so a resume can refuse different settings. `optimizer` is the one
+optax transformation those settings define. `StepSpec` is the static argument of every jitted
+train/eval step: the settings plus the target's and head's configs and the hidden layers read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+import jax
+import optax
+
+from jaxspec.errors import InvalidRequestError
+
+
+class Method(enum.Enum):
+    EAGLE3 = "eagle3"
+    MTP = "mtp"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that shapes a run (static under jit; saved with the run and checked on resume)."""
+
+    method: Method = Method.EAGLE3
+    steps: int = 1000
+    batch_size: int = 8
+    learning_rate: float = 3e-4  # peak; SpecForge uses 1e-4 for long runs on large targets
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # the cosine decays to learning_rate * min_lr_ratio
+    weight_decay: float = 0.01
+    grad_clip: float = 0.5  # global-norm clipping
+    ttt_steps: int = 3  # unrolled head steps (the training-time test); 1 = plain teacher forcing
+    step_decay: float = 0.8  # step j's loss weight is step_decay ** j
+    soft_labels: bool = False  # cross-entropy against the target's distribution over the draft vocab
+    cache_features: bool = True  # the target runs once per row into a FeatureCache, not once per step
+    draft_vocab_size: int | None = None  # EAGLE-3; None = the target's vocabulary
+    aux_layer_ids: tuple[int, ...] | None = None  # EAGLE-3; None = eagle3_config_for's default
+    val_fraction: float = 0.05
+    eval_every: int = 100
+    save_every: int = 200
+    seed: int = 0
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "method", Method(self.method))
+        except ValueError:
+            raise InvalidRequestError(
+                f"method must be one of {[m.value for m in Method]}; got {self.method!r}") from None
+        if self.aux_layer_ids is not None:
+            object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        positive = ("steps", "batch_size", "ttt_steps", "eval_every", "save_every")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"{name} must be an integer >= 1; got {value!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise InvalidRequestError(f"warmup_steps must be an integer >= 0; got {self.warmup_steps!r}")
+        checks = [
+            ("learning_rate", lambda v: 0 < v < math.inf, "> 0"),
+            ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("weight_decay", lambda v: 0 <= v < math.inf, ">= 0"),
+            ("grad_clip", lambda v: 0 < v < math.inf, "> 0"),
+            ("step_decay", lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("val_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ]
+        for name, ok, rule in checks:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not ok(float(value)):
+                raise InvalidRequestError(f"{name} must be {rule}; got {value!r}")
+        if self.soft_labels and self.cache_features:
+            raise InvalidRequestError(
+                "soft_labels needs the target's whole distribution at every step, which the feature cache "
+                "does not keep: set cache_features=False (--no-feature-cache) with soft labels")
+        vocab = self.draft_vocab_size
+        if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
+            raise InvalidRequestError(f"draft_vocab_size must be an integer >= 1; got {self.draft_vocab_size!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["method"] = self.method.value
+        out["aux_layer_ids"] = None if self.aux_layer_ids is None else list(self.aux_layer_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        return cls(**data)
+
+
+def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Clip, then AdamW on a linear-warmup cosine schedule; no weight decay on norms (1-D)."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio)
+    decay_mask = lambda params: jax.tree.map(lambda leaf: leaf.ndim > 1, params)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=decay_mask))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """The static half of a train/eval step: what shapes the program."""
+
+    train: TrainConfig
+    target_cfg: Any
+    head_cfg: Any
+    hidden_layers: tuple[int, ...]  # the target's hidden layers the head reads

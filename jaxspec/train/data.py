@@ -1,0 +1,266 @@
+"""Training data: prompts in, packed right-padded token rows out, and the order they are read in.
+
+    prompts   read_prompts_jsonl / tokenize_prompts      JSONL -> token ids
+    answers   self_distill / self_instruct_examples      the target answers them greedily (batched
+                                                         `jaxspec.generate`), so the head learns the
+                                                         distribution it will be verified against
+    batches   pack -> Dataset                            right-padded int32[N, T] + lengths
+    masks     response_mask                              which positions' predictions are answer tokens
+    order     split / batch_indices                      held-out rows; a step's rows, a function of
+                                                         (seed, step) alone, so a resumed run reads
+                                                         the same batches
+    vocab     draft_vocab -> DraftVocab                  the Vd most frequent response tokens -> d2t, t2d
+
+The data lives on the host (numpy); `Dataset.batch` moves one batch at a time to the device.
+Bad input (a malformed prompt file, an empty dataset, an unreadable data file) raises a
+jaxspec.errors error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import pathlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.api import Model, generate, prompt_ids
+from jaxspec.errors import CheckpointError, InvalidRequestError
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts and self-distillation
+# ----------------------------------------------------------------------------------------------
+
+def read_prompts_jsonl(path: str | os.PathLike[str]) -> list[str | list[int]]:
+    """One JSON object per line with a "prompt" or "text" field: a string, or a list of token ids
+    (for models without a tokenizer). Blank lines are skipped; anything else names its line."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise InvalidRequestError(f"prompt file not found: {path}")
+    prompts: list[str | list[int]] = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise InvalidRequestError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise InvalidRequestError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            prompt = record.get("prompt", record.get("text"))
+            if prompt is None:
+                raise InvalidRequestError(f"{path}:{number}: the object has no \"prompt\" or \"text\" field")
+            is_ids = isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            if not (isinstance(prompt, str) and prompt.strip()) and not is_ids:
+                raise InvalidRequestError(
+                    f"{path}:{number}: \"prompt\"/\"text\" must be a non-empty string or list of token ids; "
+                    f"got {prompt!r:.60}")
+            prompts.append(prompt)
+    if not prompts:
+        raise InvalidRequestError(f"{path} holds no prompts")
+    return prompts
+
+
+def tokenize_prompts(model: Model, prompts: Sequence[str | Sequence[int]], *, chat: bool = True) -> list[list[int]]:
+    """Token ids per prompt (text through the chat template when `chat`), checked as `generate`
+    checks its prompts."""
+    return prompt_ids(list(prompts), model, chat)
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    tokens: tuple[int, ...]  # prompt then the target's answer
+    prompt_length: int
+
+
+def self_distill(target: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int, *,
+                 ignore_eos: bool = False, progress: bool = False) -> list[Example]:
+    """The target answers each prompt greedily; returns prompt + answer per prompt, in order.
+
+    Prompts are batched by length (similar lengths share a padded bucket, hence a compile)."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidRequestError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+        raise InvalidRequestError("self_distill needs at least one prompt")
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: dict[int, list[int]] = {}
+    chunks = [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
+    from tqdm.auto import tqdm
+
+    for chunk in tqdm(chunks, desc="self-distill", unit="batch", disable=not progress):
+        result = generate(target, None, [prompts[i] for i in chunk], max_new_tokens=max_new_tokens,
+                          ignore_eos=ignore_eos)
+        answers.update(zip(chunk, result.tokens))
+    return [Example(tokens=tuple(prompts[i] + answers[i]), prompt_length=len(prompts[i])) for i in range(len(prompts))]
+
+
+def self_instruct_examples(target: Model, num_prompts: int = 640, num_passage_prompts: int = 192, *,
+                           max_new_tokens: int = 128, batch_size: int = 32, seed: int = 0,
+                           progress: bool = False) -> list[Example]:
+    """Training examples from jaxspec's own topic list (`jaxspec.self_instruct`), all answered by
+    the target through its chat template: `num_prompts` topic prompts (stage 1), then
+    `num_passage_prompts` prompts wrapping the target's own stage-1 articles (stage 2:
+    summarisation, extraction, reading comprehension, translation)."""
+    from jaxspec import self_instruct
+
+    if target.tokenizer is None:
+        raise InvalidRequestError("self-instruct prompts are text: the target needs a tokenizer (or pass --prompts)")
+    texts = self_instruct.topic_prompts(num_prompts, seed)
+    stage1 = self_distill(target, tokenize_prompts(target, texts), max_new_tokens, batch_size, progress=progress)
+    if not num_passage_prompts:
+        return stage1
+    articles = [target.tokenizer.decode(example.tokens[example.prompt_length:])
+                for text, example in zip(texts, stage1) if self_instruct.is_article_prompt(text)]
+    stage2_texts = self_instruct.passage_prompts(articles, num_passage_prompts, seed)
+    stage2 = self_distill(target, tokenize_prompts(target, stage2_texts), max_new_tokens, batch_size,
+                          progress=progress)
+    return stage1 + stage2
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed data
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dataset:
+    """Right-padded training sequences (host numpy; batches go to the device one at a time)."""
+
+    tokens: np.ndarray  # int32[N, T]
+    lengths: np.ndarray  # int32[N]: valid tokens per row
+    prompt_lengths: np.ndarray  # int32[N]: the first prompt_lengths[n] tokens are the prompt
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+    def batch(self, indices: Sequence[int]) -> dict[str, jax.Array]:
+        """Rows `indices`; an index of -1 is an empty row (length 0: no loss, no accuracy)."""
+        indices = np.asarray(indices)
+        empty = indices < 0
+        safe = np.where(empty, 0, indices)
+        return {
+            "tokens": jnp.asarray(np.where(empty[:, None], 0, self.tokens[safe])),
+            "lengths": jnp.asarray(np.where(empty, 0, self.lengths[safe])),
+            "prompt_lengths": jnp.asarray(np.where(empty, 0, self.prompt_lengths[safe])),
+        }
+
+    def subset(self, indices: Sequence[int]) -> "Dataset":
+        indices = np.asarray(indices, np.int64)
+        return Dataset(self.tokens[indices], self.lengths[indices], self.prompt_lengths[indices])
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for array in (self.tokens, self.lengths, self.prompt_lengths):
+            digest.update(np.ascontiguousarray(array, np.int32).tobytes())
+            digest.update(str(array.shape).encode())
+        return digest.hexdigest()[:16]
+
+    def save(self, path: pathlib.Path) -> None:
+        np.savez(path, tokens=self.tokens, lengths=self.lengths, prompt_lengths=self.prompt_lengths)
+
+    @classmethod
+    def load(cls, path: pathlib.Path) -> "Dataset":
+        try:
+            with np.load(path) as data:
+                return cls(data["tokens"].astype(np.int32), data["lengths"].astype(np.int32),
+                           data["prompt_lengths"].astype(np.int32))
+        except (OSError, KeyError, ValueError) as error:
+            raise CheckpointError(f"{path} is not a readable training data file: {error}") from None
+
+
+def pack(examples: Sequence[Example], seq_len: int) -> Dataset:
+    """Truncate to `seq_len` and right-pad. Rows with no response token inside the window (the
+    prompt fills it, or the answer is empty) teach nothing and are dropped."""
+    if not isinstance(seq_len, int) or seq_len < 4:
+        raise InvalidRequestError(f"seq_len must be an integer >= 4; got {seq_len!r}")
+    kept = [e for e in examples if min(len(e.tokens), seq_len) > e.prompt_length]
+    if not kept:
+        raise InvalidRequestError(
+            f"no example has a response token within seq_len={seq_len}: prompts too long or answers empty")
+    tokens = np.zeros((len(kept), seq_len), np.int32)
+    lengths = np.zeros(len(kept), np.int32)
+    for row, example in enumerate(kept):
+        window = example.tokens[:seq_len]
+        tokens[row, : len(window)] = window
+        lengths[row] = len(window)
+    prompt_lengths = np.asarray([e.prompt_length for e in kept], np.int32)
+    return Dataset(tokens, lengths, prompt_lengths)
+
+
+def response_mask(lengths: jax.Array, prompt_lengths: jax.Array, seq_len: int) -> jax.Array:
+    """bool[B, T]: position t's next-token prediction is a response token of the data
+    (prompt_length - 1 <= t < length - 1). The loss mask, before the head's alignment shift."""
+    positions = jnp.arange(seq_len)[None, :]
+    return (positions >= prompt_lengths[:, None] - 1) & (positions < lengths[:, None] - 1)
+
+
+def split(num_examples: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, validation indices): a seeded shuffle, the validation rows held out."""
+    order = np.random.default_rng([seed, 0xDA7A]).permutation(num_examples)
+    num_val = 0 if num_examples < 2 or val_fraction <= 0 else max(1, round(num_examples * val_fraction))
+    num_val = min(num_val, num_examples - 1)
+    return np.sort(order[num_val:]), np.sort(order[:num_val])
+
+
+@functools.lru_cache(maxsize=8)
+def _epoch_order(seed: int, epoch: int, num_train: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(num_train)
+
+
+def batch_indices(seed: int, step: int, batch_size: int, num_train: int) -> np.ndarray:
+    """Rows of training step `step`: epochs are seeded permutations laid end to end, so the order
+    is a function of (seed, step) alone and a resumed run takes the same batches."""
+    flat = np.arange(step * batch_size, (step + 1) * batch_size)
+    epochs, offsets = np.divmod(flat, num_train)
+    return np.asarray([_epoch_order(seed, int(e), num_train)[o] for e, o in zip(epochs, offsets)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Draft vocabulary
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftVocab:
+    target_ids: np.ndarray  # int64[Vd]: the target id of each draft id, ascending
+    d2t: np.ndarray  # int64[Vd]: target_ids - arange(Vd), what eagle3.to_target_ids adds
+    t2d: np.ndarray  # bool[V]: whether a target id is in the draft vocabulary
+
+    @property
+    def target_to_draft(self) -> np.ndarray:
+        """int32[V]: the draft id of each target id, -1 where it has none."""
+        lookup = np.full(self.t2d.shape, -1, np.int32)
+        lookup[self.target_ids] = np.arange(len(self.target_ids), dtype=np.int32)
+        return lookup
+
+
+def draft_vocab(data: Dataset, vocab_size: int, draft_vocab_size: int) -> DraftVocab:
+    """The `draft_vocab_size` target tokens the head may draft: the most frequent response tokens
+    (what it will be asked to predict), then prompt tokens, then the lowest unused ids, ties broken
+    by the lower id. Draft ids follow target ids in ascending order (d2t >= 0), as in EAGLE-3."""
+    if not isinstance(draft_vocab_size, int) or not 1 <= draft_vocab_size <= vocab_size:
+        raise InvalidRequestError(f"draft_vocab_size must be an integer in [1, {vocab_size}]; got {draft_vocab_size!r}")
+    positions = np.arange(data.seq_len)[None, :]
+    in_response = (positions >= data.prompt_lengths[:, None]) & (positions < data.lengths[:, None])
+    in_prompt = positions < np.minimum(data.prompt_lengths, data.lengths)[:, None]
+    response_counts = np.bincount(data.tokens[in_response], minlength=vocab_size)[:vocab_size]
+    prompt_counts = np.bincount(data.tokens[in_prompt], minlength=vocab_size)[:vocab_size]
+    # lexsort sorts by the last key first: response count, then prompt count (both descending),
+    # then the id (ascending).
+    ranked = np.lexsort((np.arange(vocab_size), -prompt_counts, -response_counts))
+    target_ids = np.sort(ranked[:draft_vocab_size]).astype(np.int64)
+    t2d = np.zeros(vocab_size, bool)
+    t2d[target_ids] = True
+    return DraftVocab(target_ids=target_ids, d2t=target_ids - np.arange(draft_vocab_size), t2d=t2d)

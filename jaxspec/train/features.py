@@ -1,0 +1,185 @@
+"""The target's half of a training batch: its hidden features and its own next-token labels.
+
+`target_batch` runs the target over a batch (one jitted program for every batch of a shape);
+`FeatureCache` / `cache_features` keep its output for every row of a Dataset on disk, computed
+once, so each training step costs only the head. `target_source` is what the training loop reads
+batches through: from the run's cache (the default), or a fresh target pass per batch (soft
+labels need the target's whole distribution, which the cache does not keep).
+
+A cache is only read for the data and target it was built from (recorded in its meta.json), and
+it never holds a non-finite value: a float16 overflow raises UnsupportedModelError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import models
+from jaxspec.api import Model
+from jaxspec.errors import InvalidRequestError, UnsupportedModelError
+from jaxspec.train.config import StepSpec
+from jaxspec.train.data import Dataset, response_mask
+from jaxspec.train.heads import Frozen
+
+
+# Jitted: one program for training and validation batches alike (the head's steps compile apart).
+@functools.partial(jax.jit, static_argnames=("target_cfg", "hidden_layers"))
+def target_batch(target_params: Any, target_cfg, hidden_layers: tuple[int, ...], batch: dict[str, jax.Array],
+                 draft_ids: jax.Array | None = None) -> dict[str, Any]:
+    """The target's half of a training batch (right-padded; padding follows each row's tokens and
+    attention is causal, so it changes nothing before it):
+
+        tokens      int32[B, T]   the batch's tokens
+        features    tuple of [B, T, D], the target's `hidden_layers` (EAGLE-3: its three aux
+                    layers; MTP: (L,), the final-normed stream)
+        labels      int32[B, T]   the target's own next-token argmax at each position
+        loss_mask   bool[B, T]    position t's prediction is a response token (see response_mask)
+        label_probs [B, T, Vd]    with `draft_ids`: the target's distribution restricted to them
+    """
+    tokens = batch["tokens"]  # int32[B, T]
+    rows, seq_len = tokens.shape
+    cache = models.create_cache(target_cfg, rows, seq_len)
+    logits, features, _ = models.forward(target_params, target_cfg, tokens, cache, hidden_layers=hidden_layers)
+    out = {"tokens": tokens, "features": features, "labels": jnp.argmax(logits, axis=-1).astype(jnp.int32),
+           "loss_mask": response_mask(batch["lengths"], batch["prompt_lengths"], seq_len)}
+    if draft_ids is not None:
+        out["label_probs"] = jax.nn.softmax(jnp.take(logits, draft_ids, axis=-1), axis=-1)
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FeatureCache:
+    """The target's half of every row of a Dataset, computed once and kept on disk in chunks.
+
+    Recomputing the target per step costs a full forward over B x T tokens (for SmolLM2-135M at
+    8 x 256, ~0.55 TFLOP: more than the head's forward and backward); cached, each epoch after the
+    first costs only the head. Per chunk of `chunk_rows` rows, two memory-mapped .npy files:
+
+        features_{c}.npy   float16[n, F, T, D]   the target's hidden layers (F = len(hidden_layers))
+        labels_{c}.npy     int32[n, T]           the target's next-token argmax per position
+
+    float16 halves the bytes of float32 (SmolLM2's residual stream stays far inside its range;
+    a chunk that overflows is refused). `meta.json` records the data fingerprint, the layers and the
+    target, so a cache built for other data or another target is never read; one built with more
+    layers serves any subset of them (an EAGLE-3 and an MTP head can share one cache). A chunk
+    appears atomically (written aside, then renamed), so an interrupted build resumes at the next
+    chunk.
+    """
+
+    directory: pathlib.Path
+    chunk_rows: int
+    layers: tuple[int, ...]  # the hidden layers stored, in order
+    features: tuple[np.ndarray, ...]  # per chunk float16[n, F, T, D] (memory-mapped)
+    labels: tuple[np.ndarray, ...]  # per chunk int32[n, T]
+
+    def rows(self, indices: np.ndarray, layers: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(float32[B, F', T, D], int32[B, T]) for data rows `indices` and `layers` (default: all
+        stored); -1 gives a zero row."""
+        select = [self.layers.index(layer) for layer in (layers or self.layers)]
+        feats, labels = [], []
+        for index in np.asarray(indices):
+            chunk, offset = divmod(max(int(index), 0), self.chunk_rows)
+            feats.append(self.features[chunk][offset, select])
+            labels.append(self.labels[chunk][offset])
+        feats, labels = np.stack(feats).astype(np.float32), np.stack(labels)
+        empty = np.asarray(indices) < 0
+        feats[empty], labels[empty] = 0.0, 0
+        return feats, labels
+
+
+FEATURE_META = "meta.json"
+
+
+def cache_features(target: Model, data: Dataset, hidden_layers: tuple[int, ...], directory: str | os.PathLike[str],
+                   *, batch_size: int = 8, chunk_rows: int = 64, progress: bool = False) -> FeatureCache:
+    """Run the target over every row of `data` once (batches of `batch_size`, one compile) and keep
+    its `hidden_layers` and next-token argmax in `directory` (see FeatureCache). Chunks already
+    there for the same data and target, holding these layers or more, are reused."""
+    from tqdm.auto import tqdm
+
+    if chunk_rows % batch_size:
+        raise InvalidRequestError(f"chunk_rows ({chunk_rows}) must be a multiple of batch_size ({batch_size})")
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {"data": data.fingerprint(), "target_config": repr(target.config), "dtype": "float16",
+            "hidden_layers": list(hidden_layers), "chunk_rows": chunk_rows}
+    meta_path = directory / FEATURE_META
+    if meta_path.is_file():
+        saved = json.loads(meta_path.read_text(encoding="utf-8"))
+        same_source = all(saved.get(key) == meta[key] for key in ("data", "target_config", "dtype"))
+        if same_source and set(hidden_layers) <= set(saved.get("hidden_layers", ())):
+            meta = saved  # this data's cache, with our layers among its own: read ours out of it
+        else:
+            for stale in directory.glob("*.npy"):  # built for other data, layers or target
+                stale.unlink()
+    meta_path.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    stored, chunk_rows = tuple(meta["hidden_layers"]), int(meta["chunk_rows"])
+    if chunk_rows % batch_size:  # a reused cache's chunks: fill them in whole batches still
+        batch_size = math.gcd(batch_size, chunk_rows)
+    num_chunks = -(-len(data) // chunk_rows)
+    names = [(directory / f"features_{c:05d}.npy", directory / f"labels_{c:05d}.npy") for c in range(num_chunks)]
+    todo = [c for c, (feat, lab) in enumerate(names) if not (feat.is_file() and lab.is_file())]
+    with tqdm(total=len(data), initial=(num_chunks - len(todo)) * chunk_rows if todo else len(data),
+              desc="target features", unit="row", disable=not progress) as bar:
+        for chunk in todo:
+            start = chunk * chunk_rows
+            rows = list(range(start, min(start + chunk_rows, len(data))))
+            feats, labels = [], []
+            for first in range(0, len(rows), batch_size):
+                indices = rows[first: first + batch_size]
+                padded = indices + [-1] * (batch_size - len(indices))
+                out = target_batch(target.params, target.config, stored, data.batch(padded))
+                stacked = np.stack([np.asarray(f) for f in out["features"]], axis=1)  # [B, F, T, D]
+                feats.append(stacked[: len(indices)].astype(np.float16))
+                labels.append(np.asarray(out["labels"])[: len(indices)])
+                bar.update(len(indices))
+            feats, labels = np.concatenate(feats), np.concatenate(labels)
+            if not np.isfinite(feats).all():
+                raise UnsupportedModelError(
+                    f"the target's hidden states overflow float16 in rows {rows[0]}..{rows[-1]}; "
+                    "train without the feature cache (cache_features=False)")
+            for path, array in zip(names[chunk], (feats, labels)):
+                aside = path.with_suffix(".partial.npy")
+                np.save(aside, array)
+                os.replace(aside, path)
+    return FeatureCache(directory=directory, chunk_rows=chunk_rows, layers=stored,
+                        features=tuple(np.load(feat, mmap_mode="r") for feat, _ in names),
+                        labels=tuple(np.load(lab, mmap_mode="r") for _, lab in names))
+
+
+def _targets(target_params: Any, frozen: Frozen, batch: dict[str, jax.Array], spec: StepSpec) -> dict[str, Any]:
+    draft_ids = frozen["draft_ids"] if spec.train.soft_labels else None
+    return target_batch(target_params, spec.target_cfg, spec.hidden_layers, batch, draft_ids)
+
+
+def target_source(target: Model, data: Dataset, frozen: Frozen, spec: StepSpec, feature_dir: pathlib.Path,
+                  progress: bool):
+    """`targets_for(rows)`: the target's half of the batch of data rows `rows` (-1: an empty row),
+    read from the run's FeatureCache (built on first use) or recomputed by a target forward."""
+    cfg = spec.train
+    if not cfg.cache_features:
+        return lambda rows: _targets(target.params, frozen, data.batch(rows), spec)
+    # The cache also keeps the final-normed stream (layer L, an MTP head's input), which the
+    # forward computes anyway: an EAGLE-3 run's cache then serves an MTP run on the same data.
+    layers = tuple(dict.fromkeys(spec.hidden_layers + (target.config.num_layers,)))
+    cache = cache_features(target, data, layers, feature_dir, batch_size=cfg.batch_size,
+                           chunk_rows=cfg.batch_size * max(1, 64 // cfg.batch_size), progress=progress)
+
+    def targets_for(rows):
+        batch = data.batch(rows)
+        features, labels = cache.rows(rows, spec.hidden_layers)  # [B, F, T, D], [B, T]
+        return {"tokens": batch["tokens"], "features": tuple(jnp.asarray(features[:, i]) for i in range(features.shape[1])),
+                "labels": jnp.asarray(labels),
+                "loss_mask": response_mask(batch["lengths"], batch["prompt_lengths"], data.seq_len)}
+
+    return targets_for

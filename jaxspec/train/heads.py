@@ -1,0 +1,92 @@
+"""The head a run trains, built for its target: configs, initial params, the optimised part.
+
+`eagle3_config_for` / `mtp_config_for` shape a head like one of the target's layers (bad aux
+layers or a non-Llama MTP target raise before anything is traced); `init_head` draws its
+initial params on the host, so a seed always gives the same head; `trainable_params` is the
+part the optimizer updates. `HeadParams` and `Frozen` name the two halves a head step reads:
+the head's own params, and the target's arrays passed beside them, never trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.api import Model
+from jaxspec.config import ModelConfig
+from jaxspec.errors import InvalidRequestError, UnsupportedModelError
+from jaxspec.models import eagle3, mtp
+from jaxspec.train.config import Method
+from jaxspec.train.data import DraftVocab
+
+HeadParams = eagle3.Eagle3Params | mtp.MtpParams  # the trained head's own params
+Frozen = dict[str, jax.Array]  # the target's arrays a head step reads beside them (embed, lm_head, vocab maps)
+
+
+def eagle3_config_for(target_cfg, draft_vocab_size: int, aux_layer_ids: tuple[int, ...] | None = None
+                      ) -> eagle3.Eagle3Config:
+    """An EAGLE-3 head shaped like one of the target's layers. Aux layers default to the EAGLE
+    repo's (2, L // 2, L - 3), or (0, L // 2, L - 1) for targets too shallow for those."""
+    layers = target_cfg.num_layers
+    if aux_layer_ids is None:
+        aux_layer_ids = eagle3.default_aux_layers(layers)
+        if not all(0 <= i < layers for i in aux_layer_ids):
+            aux_layer_ids = (0, layers // 2, layers - 1)
+    aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
+    if len(aux_layer_ids) != 3 or not all(0 <= i < layers for i in aux_layer_ids):
+        raise InvalidRequestError(f"aux_layer_ids must be three layer indices in [0, {layers}); got {aux_layer_ids}")
+    return eagle3.Eagle3Config(
+        dim=target_cfg.dim, num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
+        head_dim=target_cfg.head_dim, ffn_dim=target_cfg.ffn_dim, draft_vocab_size=draft_vocab_size,
+        vocab_size=target_cfg.vocab_size, rope_theta=target_cfg.rope_theta, rotary_dim=target_cfg.rotary_dim,
+        norm_eps=target_cfg.norm_eps, max_position_embeddings=target_cfg.max_position_embeddings,
+        aux_layer_ids=aux_layer_ids,
+    )
+
+
+def mtp_config_for(target_cfg) -> mtp.MtpConfig:
+    """An MTP head whose block is one layer of the (Llama-family) target's kind."""
+    if not isinstance(target_cfg, ModelConfig):
+        raise UnsupportedModelError(
+            f"MTP training needs a Llama-family target (its block is a trunk layer); got {type(target_cfg).__name__}")
+    return mtp.MtpConfig(block=dataclasses.replace(target_cfg, num_layers=1))
+
+
+def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: int, scale: float = 0.02) -> HeadParams:
+    """Initial head params: weights N(0, scale^2) (the lm_head included, as EAGLE-3's trainers
+    start it: copying the target's rows makes a fresh head confidently wrong), norms one, and an
+    EAGLE-3 head's d2t from the draft vocabulary. The embedding (and MTP's lm_head) stay the
+    target's, frozen, passed beside these params.
+
+    Drawn with numpy on the host (shapes from the model module's own init, traced abstractly):
+    jax.random here would cost a compile longer than a short training run.
+    """
+    rng = np.random.default_rng([seed, 0x4EAD])
+    key = jax.random.PRNGKey(0)
+    if method is Method.EAGLE3:
+        shapes = eagle3.named_leaves(jax.eval_shape(lambda key: eagle3.init_params(head_cfg, key), key))
+    else:
+        shapes = mtp.named_leaves(jax.eval_shape(lambda key: mtp.init_params(head_cfg, key), key), head_cfg)
+
+    def draw(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name.endswith("norm"):  # input_layernorm, hnorm, post_norm, block.q_norm, ...
+            return np.ones(shape, np.float32)
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    # Drawn in sorted name order (d2t's draw included, then replaced), so a seed keeps its head.
+    drawn = {name: draw(name, shapes[name].shape) for name in sorted(shapes)}
+    if method is Method.EAGLE3:
+        drawn["d2t"] = np.asarray(vocab.d2t, np.int32)
+        params = eagle3.params_from(drawn.__getitem__)
+    else:
+        params = mtp.params_from(head_cfg, drawn.__getitem__)
+    return jax.tree.map(jnp.asarray, params)
+
+
+def trainable_params(params: HeadParams) -> HeadParams:
+    """The optimised params: all but the EAGLE-3 d2t table (integer, fixed by the data), which
+    is None in the trainable copy (the head's forward never reads it)."""
+    return dataclasses.replace(params, d2t=None) if isinstance(params, eagle3.Eagle3Params) else params

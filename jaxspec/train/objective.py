@@ -1,0 +1,162 @@
+"""The training objective: the EAGLE-3 training-time test as a loss, and the jitted steps.
+
+Alignment (the inference convention of models/eagle3.py and models/mtp.py): head slot p reads
+(target feature p, token p + 1) and drafts token p + 2; the label is what the *target* predicts at
+position p + 1, its argmax (or its distribution over the draft vocabulary). Only positions whose
+prediction lands in the response count (the loss mask); prompts are context, not targets.
+
+The training-time test (EAGLE-3, "TTT"): the head is unrolled `ttt_steps` times over the whole
+sequence at once. Step 0 reads the encoded target features; step j > 0 reads the head's own
+g_next from step j - 1 shifted right by one position, so slot p at step j carries a feature the
+head derived from the target feature at p - j through j of its own steps, exactly the chain a
+depth-j draft runs at inference. Tokens stay the ground truth (a deeper draft only matters when
+the shallower ones were accepted). Each step attends causally over its own sequence (a fresh KV
+cache of T slots): at inference the earlier slots hold target features rather than the head's own,
+a simplification of the paper's tree mask that keeps every step a plain head forward. Step j's
+loss is weighted `step_decay ** j`. MTP trains through the same code with its own forward, the
+target's final-normed hidden as the feature and the target's vocabulary.
+
+`train_step` and `evaluate` compile once per StepSpec; the target's arrays are arguments
+(`Frozen`), never closed over. `summarise` turns the per-depth sums into the reported loss and
+top-1 agreement, exactly across batches.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxspec.models import eagle3, mtp
+from jaxspec.train.config import Method, StepSpec, optimizer
+from jaxspec.train.heads import Frozen, HeadParams, trainable_params
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss: the unrolled head over the target's half of a batch
+# ----------------------------------------------------------------------------------------------
+
+def _shift_left(x: jax.Array) -> jax.Array:
+    """x[:, p + 1] at p; the last position gets zeros (it is masked wherever it matters)."""
+    return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+
+
+def _head_step(spec: StepSpec, params: HeadParams, frozen: Frozen, tokens: jax.Array, g: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """One head forward over the whole sequence in a fresh cache: logits [B, T, Vd], g_next [B, T, D]."""
+    batch, seq_len = tokens.shape
+    if spec.train.method is Method.EAGLE3:
+        cache = eagle3.create_cache(spec.head_cfg, batch, seq_len)
+        logits, g_next, _ = eagle3.forward(params, spec.head_cfg, frozen["embed"], tokens, g, cache)
+    else:
+        cache = mtp.create_cache(spec.head_cfg, batch, seq_len)
+        logits, g_next, _ = mtp.forward(params, spec.head_cfg, frozen["embed"], frozen["lm_head"], tokens, g, cache)
+    return logits, g_next
+
+
+def _loss_terms(params: HeadParams, frozen: Frozen, targets: dict[str, Any], spec: StepSpec) -> dict[str, jax.Array]:
+    """Per unrolled step j: summed cross-entropy and its position count, and top-1 agreement with
+    the target (correct, out of all response positions the step can reach). All float32[J].
+    `targets` is `target_batch`'s output."""
+    tokens = targets["tokens"]  # int32[B, T]
+    seq_len = tokens.shape[1]
+    features = targets["features"]
+
+    # Head slot p pairs (feature p, token p + 1) and drafts token p + 2: the target's prediction at p + 1.
+    tokens_in = _shift_left(tokens)  # [B, T]
+    label_target = _shift_left(targets["labels"])  # [B, T]
+    responds = _shift_left(targets["loss_mask"])  # bool[B, T]
+    draft_ids = frozen["draft_ids"]  # int32[Vd]: each draft id's target id
+    if spec.train.soft_labels:
+        label_probs = _shift_left(targets["label_probs"])  # [B, T, Vd]
+        trainable = responds
+    else:
+        label_draft = jnp.take(frozen["target_to_draft"], label_target)  # [B, T]; -1: not draftable
+        trainable = responds & (label_draft >= 0)
+
+    if spec.train.method is Method.EAGLE3:
+        g = eagle3.encode(params, features)  # [B, T, D]
+    else:
+        g = features[0]  # the target's final-normed hidden
+    positions = jnp.arange(seq_len)[None, :]
+
+    def depth_step(g, depth):
+        """One unrolled head step at depth j (a scan: one compiled head forward for all depths)."""
+        logits, g_next = _head_step(spec, params, frozen, tokens_in, g)
+        # At depth j, slot p's feature descends from the target's at p - j: it must exist.
+        reachable = positions >= depth
+        mask = trainable & reachable
+        if spec.train.soft_labels:
+            ce = optax.softmax_cross_entropy(logits, label_probs)
+        else:
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(label_draft, 0))
+        drafted = jnp.take(draft_ids, jnp.argmax(logits, axis=-1))  # [B, T] target ids
+        scored = responds & reachable
+        terms = {"ce_sum": jnp.sum(jnp.where(mask, ce, 0.0)), "count": jnp.sum(mask).astype(jnp.float32),
+                 "correct": jnp.sum((drafted == label_target) & scored).astype(jnp.float32),
+                 "scored": jnp.sum(scored).astype(jnp.float32)}
+        # The next depth reads the head's own output one position back (as drafting chains it).
+        g = jnp.concatenate([jnp.zeros_like(g_next[:, :1]), g_next[:, :-1]], axis=1)
+        return g, terms
+
+    _, terms = jax.lax.scan(depth_step, g, jnp.arange(spec.train.ttt_steps))
+    return terms  # each float32[J]
+
+
+def _weighted_loss(terms: dict[str, jax.Array], step_decay: float) -> jax.Array:
+    weights = step_decay ** jnp.arange(terms["ce_sum"].shape[0], dtype=jnp.float32)
+    return jnp.sum(weights * terms["ce_sum"] / jnp.maximum(terms["count"], 1.0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Steps (jitted once per static spec; the target's params are arguments, never closed over)
+# ----------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("params", "opt_state"))
+def train_step(params: HeadParams, opt_state: Any, frozen: Frozen, targets: dict[str, Any], *, spec: StepSpec):
+    """One optimizer step on the weighted loss of a batch: (params, opt_state, metrics), the
+    metrics being loss, grad_norm and the per-depth terms. `params` and `opt_state` are donated."""
+
+    def loss_of(trainable):
+        terms = _loss_terms(trainable, frozen, targets, spec)
+        return _weighted_loss(terms, spec.train.step_decay), terms
+
+    (loss, terms), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    updates, opt_state = optimizer(spec.train).update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **terms}
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _eval_step(params: HeadParams, frozen: Frozen, targets: dict[str, Any], *, spec: StepSpec):
+    return _loss_terms(params, frozen, targets, spec)
+
+
+def summarise(terms: dict[str, np.ndarray], step_decay: float) -> dict[str, Any]:
+    """loss (the training objective), top1 (the first draft's agreement with the target) and
+    top1_by_step (agreement at each unrolled depth)."""
+    weights = step_decay ** np.arange(len(terms["ce_sum"]))
+    loss = float(np.sum(weights * terms["ce_sum"] / np.maximum(terms["count"], 1.0)))
+    top1 = terms["correct"] / np.maximum(terms["scored"], 1.0)
+    return {"loss": loss, "top1": float(top1[0]), "top1_by_step": [float(t) for t in top1]}
+
+
+def evaluate(params: HeadParams, frozen: Frozen, rows: Sequence[int], targets_for, spec: StepSpec,
+             batch_size: int) -> dict[str, Any]:
+    """Loss and top-1 agreement over data rows `rows`, summed exactly across batches (the last
+    batch is padded with empty rows, so every batch has one shape). `targets_for(indices)` gives
+    the target's half of a batch (see `target_source`)."""
+    totals: dict[str, np.ndarray] | None = None
+    rows = list(rows)
+    for start in range(0, len(rows), batch_size):
+        indices = rows[start: start + batch_size]
+        indices += [-1] * (batch_size - len(indices))
+        targets = targets_for(np.asarray(indices))
+        terms = jax.device_get(_eval_step(trainable_params(params), frozen, targets, spec=spec))
+        totals = terms if totals is None else {name: totals[name] + terms[name] for name in totals}
+    return summarise(totals, spec.train.step_decay)

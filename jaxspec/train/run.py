@@ -1,0 +1,322 @@
+"""A training run: the loop, its directory, resuming it, and the whole pipeline (`train-head`).
+
+`train` takes a packed Dataset and a TrainConfig and trains a head, checkpointing into a run
+directory laid out as
+
+    train_run.json         the settings, the data's fingerprint and the target (checked on resume)
+    train_data.npz         the Dataset itself (so `saved_run` can resume the run as it was)
+    train_checkpoints/     orbax checkpoints: params, optimizer state, step, seed
+    features/              the FeatureCache (unless another directory is given)
+    config.json + model.safetensors, or mtp_head/   the finished head (jaxspec.load reads both)
+
+Resuming: the data order is a pure function of (seed, step), the dataset and the run's settings
+are saved beside the orbax checkpoints (params, optimizer state, step), so a resumed run takes
+the same batches in the same order as an uninterrupted one and ends with the same params. A
+directory that already holds a run is never overwritten; a resume with other settings or data is
+refused.
+
+`train_head` is the CLI's `train-head`: load the target, build the data (a saved Dataset, given
+prompts, or the built-in self-instruct set), train, write the head, measure tau on held-out
+prompts. Its arguments are checked before the target loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import checkpoints
+from jaxspec.api import Model, SpecStats, generate, lm_head_of
+from jaxspec.errors import CheckpointError, InvalidRequestError
+from jaxspec.models import eagle3
+from jaxspec.train.config import Method, StepSpec, TrainConfig, optimizer
+from jaxspec.train.data import (
+    Dataset,
+    DraftVocab,
+    batch_indices,
+    draft_vocab,
+    pack,
+    self_distill,
+    self_instruct_examples,
+    split,
+    tokenize_prompts,
+)
+from jaxspec.train.features import target_source
+from jaxspec.train.heads import HeadParams, eagle3_config_for, init_head, mtp_config_for, trainable_params
+from jaxspec.train.objective import evaluate, summarise, train_step
+
+DATA_FILE = "train_data.npz"
+RUN_FILE = "train_run.json"
+CHECKPOINT_DIR = "train_checkpoints"
+FEATURE_DIR = "features"
+MTP_HEAD_DIR = "mtp_head"
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints (orbax) and head files
+# ----------------------------------------------------------------------------------------------
+
+def _checkpoint_manager(out_dir: pathlib.Path):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False)
+    return ocp.CheckpointManager((out_dir / CHECKPOINT_DIR).absolute(), options=options)
+
+
+def _state_tree(params: HeadParams, opt_state: Any, step: int, seed: int) -> dict[str, Any]:
+    """What a checkpoint holds: params, optimizer state, step, and the data-order seed (the order
+    is a function of seed and step, see batch_indices; training draws no other randomness). The
+    optimizer state goes as its list of leaves: its structure (optax's named tuples) is rebuilt
+    from a fresh `optimizer.init`, which the settings fix."""
+    return {"params": params, "opt_state": list(jax.tree.leaves(opt_state)), "step": np.int64(step),
+            "seed": np.int64(seed)}
+
+
+def _save_checkpoint(manager, step: int, params: HeadParams, opt_state: Any, seed: int) -> None:
+    import orbax.checkpoint as ocp
+
+    host = jax.device_get(_state_tree(params, opt_state, step, seed))  # a copy: the next step donates buffers
+    manager.save(step, args=ocp.args.StandardSave(host))
+    manager.wait_until_finished()
+
+
+def _restore_checkpoint(manager, step: int, params: HeadParams, opt_state: Any, seed: int) -> tuple[HeadParams, Any]:
+    import orbax.checkpoint as ocp
+
+    template = jax.device_get(_state_tree(params, opt_state, step, seed))
+    restored = manager.restore(step, args=ocp.args.StandardRestore(template))
+    if int(restored["step"]) != step or int(restored["seed"]) != seed:
+        raise CheckpointError(f"checkpoint {step} holds step {int(restored['step'])}, seed {int(restored['seed'])}; "
+                              f"expected step {step}, seed {seed}")
+    opt_state = jax.tree.unflatten(jax.tree.structure(opt_state), [jnp.asarray(x) for x in restored["opt_state"]])
+    return jax.tree.map(jnp.asarray, restored["params"]), opt_state
+
+
+# ----------------------------------------------------------------------------------------------
+# The training loop
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    head: Model  # the trained head; a draft for jaxspec.generate
+    config: TrainConfig
+    step: int  # steps done (cfg.steps unless stopped early)
+    history: list[dict[str, float]]  # per step of this process: step, loss, top1
+    validation: dict[str, Any] | None  # the last validation: loss, top1, top1_by_step (None: no split)
+    head_path: pathlib.Path | None  # where the head was written (None until the run is complete)
+
+
+def _head_setup(target: Model, train_data: Dataset, cfg: TrainConfig):
+    """(head config, hidden layers read, draft vocabulary) for this target and data."""
+    vocab_size = target.config.vocab_size
+    if cfg.method is Method.EAGLE3:
+        vocab = draft_vocab(train_data, vocab_size, cfg.draft_vocab_size or vocab_size)
+        head_cfg = eagle3_config_for(target.config, len(vocab.target_ids), cfg.aux_layer_ids)
+        return head_cfg, eagle3.target_hidden_layers(head_cfg.aux_layer_ids), vocab
+    if cfg.draft_vocab_size not in (None, vocab_size):
+        raise InvalidRequestError("an MTP head drafts over the target's whole vocabulary: leave draft_vocab_size unset")
+    identity = np.arange(vocab_size, dtype=np.int64)
+    vocab = DraftVocab(target_ids=identity, d2t=np.zeros(vocab_size, np.int64), t2d=np.ones(vocab_size, bool))
+    return mtp_config_for(target.config), (target.config.num_layers,), vocab
+
+
+_HEAD_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+
+
+def _check_head_dtype(head_dtype: str) -> None:
+    if head_dtype not in _HEAD_DTYPES:
+        raise InvalidRequestError(f"head_dtype must be one of {sorted(_HEAD_DTYPES)}; got {head_dtype!r}")
+
+
+def _run_record(cfg: TrainConfig, data: Dataset, target: Model) -> dict[str, Any]:
+    return {"train_config": cfg.to_dict(), "data": data.fingerprint(), "target_config": repr(target.config)}
+
+
+def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: TrainConfig, *,
+          resume: bool = False, stop_after: int | None = None, feature_dir: str | os.PathLike[str] | None = None,
+          head_dtype: str = "float32", progress: bool = True) -> TrainResult:
+    """Train a head for `target` on `data`, checkpointing into `out_dir`.
+
+    resume: continue the run whose checkpoints `out_dir` holds (same data and settings, checked);
+        without it, a directory that already holds a run is refused rather than overwritten.
+    stop_after: stop (and checkpoint) after this many total steps, as an interruption would.
+    feature_dir: where the FeatureCache lives (default `out_dir/features`); runs on the same data
+        and target may share one.
+    head_dtype: the written head's float type, "float32" or "bfloat16" (half the bytes; it loads
+        back as float32, so drafting is unchanged but for the rounding of the weights).
+    When the run completes, the head is written: EAGLE-3 into `out_dir` itself (config.json +
+    model.safetensors), MTP into `out_dir/mtp_head` (mtp_head.json + model.safetensors); both
+    load with `jaxspec.load(path)`.
+    """
+    from tqdm.auto import tqdm
+
+    _check_head_dtype(head_dtype)
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_rows, val_rows = split(len(data), cfg.val_fraction, cfg.seed)
+    head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg)
+    spec = StepSpec(train=cfg, target_cfg=target.config, head_cfg=head_cfg, hidden_layers=hidden_layers)
+    frozen = {"embed": target.params.embed,
+              "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
+              "target_to_draft": jnp.asarray(vocab.target_to_draft)}
+    if cfg.method is Method.MTP:
+        frozen["lm_head"] = lm_head_of(target)
+
+    initial = init_head(cfg.method, head_cfg, target, vocab, cfg.seed)
+    params = trainable_params(initial)
+    opt_state = jax.jit(optimizer(cfg).init)(params)
+    record = _run_record(cfg, data, target)
+    manager = _checkpoint_manager(out_dir)
+    try:
+        start = manager.latest_step() or 0
+        if start and not resume:
+            raise InvalidRequestError(
+                f"{out_dir} already holds a training run (checkpoint at step {start}); resume it "
+                "(resume=True, --resume) or choose another directory")
+        if resume and not start:
+            raise InvalidRequestError(f"nothing to resume: {out_dir} holds no training checkpoint")
+        if start:
+            saved = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
+            ours, theirs = record["train_config"], saved["train_config"]
+            changed = sorted(name for name in ours if theirs.get(name) != ours[name])
+            if changed or saved["data"] != record["data"] or saved["target_config"] != record["target_config"]:
+                what = f"settings {changed}" if changed else "data or target"
+                raise InvalidRequestError(f"cannot resume {out_dir}: its run used different {what}")
+            params, opt_state = _restore_checkpoint(manager, start, params, opt_state, cfg.seed)
+        else:
+            (out_dir / RUN_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
+            data.save(out_dir / DATA_FILE)
+
+        targets_for = target_source(target, data, frozen, spec, pathlib.Path(feature_dir or out_dir / FEATURE_DIR),
+                                    progress)
+        stop = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        history: list[dict[str, float]] = []
+        validation = None
+        done = start
+        with tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.method.value}", unit="step",
+                  disable=not progress) as bar:
+            for step in range(start, stop):
+                targets = targets_for(train_rows[batch_indices(cfg.seed, step, cfg.batch_size, len(train_rows))])
+                params, opt_state, metrics = train_step(params, opt_state, frozen, targets, spec=spec)
+                summary = summarise(jax.device_get(metrics), cfg.step_decay)
+                done = step + 1
+                history.append({"step": done, "loss": summary["loss"], "top1": summary["top1"]})
+                bar.set_postfix(loss=f"{summary['loss']:.3f}", top1=f"{summary['top1']:.2f}")
+                bar.update()
+                if len(val_rows) and (done % cfg.eval_every == 0 or done == cfg.steps):
+                    validation = evaluate(params, frozen, val_rows, targets_for, spec, cfg.batch_size)
+                    bar.write(f"step {done}: validation loss {validation['loss']:.4f}, "
+                              f"top-1 {validation['top1']:.3f} (by depth "
+                              f"{', '.join(f'{t:.2f}' for t in validation['top1_by_step'])})")
+                if done % cfg.save_every == 0 or done == stop:
+                    _save_checkpoint(manager, done, params, opt_state, cfg.seed)
+    finally:
+        manager.close()
+
+    head_params = params
+    if cfg.method is Method.EAGLE3:
+        head_params = dataclasses.replace(params, d2t=jnp.asarray(vocab.d2t, jnp.int32))
+    head = Model(config=head_cfg, params=head_params, source=str(out_dir))
+    head_path = None
+    if done == cfg.steps:
+        if cfg.method is Method.EAGLE3:
+            checkpoints.save_eagle3(out_dir, head_cfg, head_params, dtype=_HEAD_DTYPES[head_dtype])
+            head_path = out_dir
+        else:
+            head_path = out_dir / MTP_HEAD_DIR
+            checkpoints.save_mtp_head(head_path, head_cfg, head_params)
+    return TrainResult(head=head, config=cfg, step=done, history=history, validation=validation, head_path=head_path)
+
+
+
+def saved_run(out_dir: str | os.PathLike[str]) -> tuple[TrainConfig, Dataset]:
+    """The settings and data a run in `out_dir` was started with (to resume it as it was)."""
+    out_dir = pathlib.Path(out_dir)
+    if not (out_dir / RUN_FILE).is_file() or not (out_dir / DATA_FILE).is_file():
+        raise InvalidRequestError(f"nothing to resume: {out_dir} holds no training run ({RUN_FILE}, {DATA_FILE})")
+    record = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
+    return TrainConfig.from_dict(record["train_config"]), Dataset.load(out_dir / DATA_FILE)
+
+
+def measure_tau(target: Model, head: Model, prompts: Sequence[Sequence[int]], *, num_draft_tokens: int = 3,
+                max_new_tokens: int = 64, ignore_eos: bool = False) -> SpecStats:
+    """Speculative decoding with the head over `prompts` (greedy): its stats carry tau and the
+    acceptance rate. The output itself is the target's, whatever the head proposes."""
+    return generate(target, head, [list(p) for p in prompts], num_draft_tokens=num_draft_tokens,
+                    max_new_tokens=max_new_tokens, ignore_eos=ignore_eos).stats
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole pipeline (the CLI's `train-head`)
+# ----------------------------------------------------------------------------------------------
+
+def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainConfig | None = None, *,
+               prompts: Sequence[str | Sequence[int]] | None = None, data: Dataset | None = None,
+               seq_len: int = 256, max_new_tokens: int = 128, num_prompts: int = 640,
+               num_passage_prompts: int = 192, distill_batch_size: int = 32, chat: bool | None = None,
+               resume: bool = False, tau_prompts: int = 8, num_draft_tokens: int = 3,
+               feature_dir: str | os.PathLike[str] | None = None, head_dtype: str = "float32",
+               progress: bool = True) -> tuple[TrainResult, SpecStats | None]:
+    """Load the target (a name or path, or a loaded Model), build the training data, train, write
+    the head, and measure tau on up to `tau_prompts` held-out prompts.
+
+    The data, by precedence: `data` (a Dataset already distilled, e.g. another run's
+    train_data.npz: an EAGLE-3 and an MTP head can share one), else `prompts` answered by the
+    target (`chat` None = through the chat template when the tokenizer has one), else the
+    built-in self-instruct set (`self_instruct_examples`: `num_prompts` topic prompts and
+    `num_passage_prompts` over the target's own articles). `feature_dir` and `head_dtype` go to
+    `train`. With `resume`, the run in `out_dir`
+    continues with its own saved settings and data (`cfg`, `prompts` and `data` are ignored).
+    Arguments are checked before the target loads."""
+    for name, value, least in (("seq_len", seq_len, 4), ("max_new_tokens", max_new_tokens, 1),
+                               ("num_prompts", num_prompts, 1), ("num_passage_prompts", num_passage_prompts, 0),
+                               ("distill_batch_size", distill_batch_size, 1), ("tau_prompts", tau_prompts, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise InvalidRequestError(f"{name} must be an integer >= {least}; got {value!r}")
+    _check_head_dtype(head_dtype)
+    if resume:
+        cfg, data = saved_run(out_dir)
+    cfg = cfg or TrainConfig()
+    target = model if isinstance(model, Model) else _load_target(model, progress)
+    if data is not None:
+        if int(data.tokens.max(initial=0)) >= target.config.vocab_size:
+            raise InvalidRequestError(f"the data holds token ids outside the target's vocabulary ({target.config.vocab_size})")
+    elif prompts is not None:
+        if chat is None:
+            chat = bool(target.tokenizer is not None and target.tokenizer.chat_template)
+        rows = tokenize_prompts(target, list(prompts), chat=chat)
+        too_long = [i for i, r in enumerate(rows) if len(r) >= seq_len]
+        if too_long:
+            raise InvalidRequestError(
+                f"prompt {too_long[0]} has {len(rows[too_long[0]])} tokens, not under seq_len={seq_len}")
+        # Answers past the training window would be cut off by `pack`: no need to generate them.
+        answer_length = max(1, min(max_new_tokens, seq_len - min(map(len, rows)),
+                                   target.config.max_position_embeddings - max(map(len, rows))))
+        data = pack(self_distill(target, rows, answer_length, distill_batch_size, progress=progress), seq_len)
+    else:
+        examples = self_instruct_examples(target, num_prompts, num_passage_prompts, max_new_tokens=max_new_tokens,
+                                          batch_size=distill_batch_size, seed=cfg.seed, progress=progress)
+        data = pack(examples, seq_len)
+    result = train(target, data, out_dir, cfg, resume=resume, feature_dir=feature_dir, head_dtype=head_dtype,
+                   progress=progress)
+    stats = None
+    _, val_rows = split(len(data), cfg.val_fraction, cfg.seed)
+    held_out = [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in val_rows[:tau_prompts]]
+    if held_out and result.head_path is not None:
+        stats = measure_tau(target, result.head, held_out, num_draft_tokens=num_draft_tokens,
+                            max_new_tokens=min(64, max_new_tokens))
+    return result, stats
+
+
+def _load_target(name: str, progress: bool) -> Model:
+    from jaxspec import api
+
+    return api.load(name, progress=progress)

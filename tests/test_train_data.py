@@ -1,0 +1,96 @@
+"""Training data (jaxspec.train.data): self-distillation, packing, the response mask, batch order,
+the draft vocabulary, prompt files."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import train
+from jaxspec.models import eagle3
+from train_fixtures import ANSWER, CYCLE, SEQ_LEN, distilled_toy
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return distilled_toy()
+
+
+def test_self_distill_answers_with_the_targets_greedy_tokens(toy):
+    _, prompts, examples, data = toy
+    for prompt, example in zip(prompts, examples):
+        assert example.tokens[: example.prompt_length] == tuple(prompt)
+        answer = example.tokens[example.prompt_length:]
+        assert len(answer) == ANSWER
+        expected = [(prompt[-1] + 1 + i) % CYCLE for i in range(ANSWER)]
+        assert list(answer) == expected
+    assert data.tokens.shape == (len(prompts), SEQ_LEN)
+    assert data.lengths.tolist() == [min(len(p) + ANSWER, SEQ_LEN) for p in prompts]
+
+
+def test_pack_and_response_mask():
+    examples = [train.Example(tokens=(5, 6, 7, 8, 9), prompt_length=2),  # fits
+                train.Example(tokens=(1, 2, 3, 4, 5, 6, 7), prompt_length=3),  # truncated to 6
+                train.Example(tokens=(1, 2, 3, 4, 5, 6, 7), prompt_length=6)]  # prompt fills it: dropped
+    data = train.pack(examples, 6)
+    np.testing.assert_array_equal(data.tokens, [[5, 6, 7, 8, 9, 0], [1, 2, 3, 4, 5, 6]])
+    np.testing.assert_array_equal(data.lengths, [5, 6])
+    # Position t counts when its next token is an answer token: prompt_length - 1 <= t < length - 1.
+    mask = train.response_mask(jnp.asarray(data.lengths), jnp.asarray(data.prompt_lengths), 6)
+    np.testing.assert_array_equal(mask, [[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0]])
+    with pytest.raises(jaxspec.InvalidRequestError, match="no example has a response token"):
+        train.pack(examples[2:], 6)
+
+
+def test_batch_order_depends_only_on_seed_and_step():
+    first = [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]
+    assert first == [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]
+    epoch = sorted(first[0] + first[1] + first[2][:2])  # 10 rows: one epoch covers each once
+    assert epoch == list(range(10))
+    assert first != [train.batch_indices(4, step, 4, 10).tolist() for step in range(5)]
+
+
+def test_draft_vocab_picks_the_most_frequent_answer_tokens():
+    # Answers (after the 2-token prompts): 7 x3, 2 x2, 9 x1; prompt tokens 4 x2, 5 x1.
+    data = train.pack([train.Example(tokens=(4, 5, 7, 7, 2, 9), prompt_length=2),
+                       train.Example(tokens=(4, 4, 7, 2), prompt_length=2)], 8)
+    vocab = train.draft_vocab(data, vocab_size=12, draft_vocab_size=4)
+    # 7, 2, 9 from the answers, then 4 (the commonest prompt token); ascending target ids.
+    np.testing.assert_array_equal(vocab.target_ids, [2, 4, 7, 9])
+    np.testing.assert_array_equal(vocab.d2t, [2, 3, 5, 6])
+    np.testing.assert_array_equal(np.flatnonzero(vocab.t2d), [2, 4, 7, 9])
+    np.testing.assert_array_equal(vocab.target_to_draft[[2, 4, 7, 9, 0, 5]], [0, 1, 2, 3, -1, -1])
+    d2t = jnp.asarray(vocab.d2t, jnp.int32)
+    head = eagle3.params_from(lambda name: d2t if name == "d2t" else None)  # the map reads d2t alone
+    mapped = eagle3.to_target_ids(head, jnp.arange(4))
+    np.testing.assert_array_equal(mapped, vocab.target_ids)
+    # More draft slots than seen tokens: the lowest unused ids fill in.
+    np.testing.assert_array_equal(train.draft_vocab(data, 12, 7).target_ids, [0, 1, 2, 4, 5, 7, 9])
+    with pytest.raises(jaxspec.InvalidRequestError, match="draft_vocab_size must be an integer in"):
+        train.draft_vocab(data, 12, 13)
+
+
+def test_read_prompts_jsonl(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "hello"}\n\n{"text": "world", "id": 3}\n{"prompt": [5, 6, 7]}\n')
+    assert train.read_prompts_jsonl(good) == ["hello", "world", [5, 6, 7]]
+    cases = [('{"prompt": "a"}\n{"prompt": "b",}\n', r"bad.jsonl:2: not valid JSON"),
+             ('{"prompt": "a"}\n["b"]\n', r"bad.jsonl:2: expected a JSON object"),
+             ('{"question": "a"}\n', r'bad.jsonl:1: the object has no "prompt" or "text" field'),
+             ('{"prompt": "  "}\n', r"bad.jsonl:1: .* must be a non-empty string"),
+             ('\n\n', r"holds no prompts")]
+    for content, message in cases:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(content)
+        with pytest.raises(jaxspec.InvalidRequestError, match=message):
+            train.read_prompts_jsonl(bad)
+    with pytest.raises(jaxspec.InvalidRequestError, match="prompt file not found"):
+        train.read_prompts_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_self_instruct_needs_a_tokenizer(toy):
+    target, _, _, _ = toy
+    with pytest.raises(jaxspec.InvalidRequestError, match="needs a tokenizer"):
+        train.self_instruct_examples(target, 4, 0)

@@ -1,0 +1,151 @@
+"""A training run (jaxspec.train.run): the loop, the written head, resume, train_head, the CLI.
+
+The main proof is the successor toy (train_fixtures): a head trained on that target's own answers
+must learn its rule, so it should draft nearly every token: tau close to k + 1, and speculative
+output == plain greedy. One EAGLE-3 run is shared by the module (a jit compile costs more than the
+training itself).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import cli, train
+from train_fixtures import ANSWER, distilled_toy
+
+EAGLE3_RUN = train.TrainConfig(steps=60, batch_size=8, learning_rate=1e-2, warmup_steps=5, draft_vocab_size=96,
+                               val_fraction=0.2, eval_every=60, save_every=1000)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return distilled_toy()
+
+
+@pytest.fixture(scope="module")
+def eagle3_run(toy, tmp_path_factory):
+    target, _, _, data = toy
+    out = tmp_path_factory.mktemp("eagle3_run")
+    return train.train(target, data, out, EAGLE3_RUN, progress=False), out
+
+
+def test_cli_train_head_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    # Checked before any model loads, so a missing model is never reached.
+    assert cli.main(["train-head", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o"),
+                     "--prompts", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "prompts.jsonl:2: not valid JSON" in err
+    assert cli.main(["train-head", "--out", str(tmp_path / "o"), "--steps", "0"]) == 2
+    assert "steps must be an integer >= 1" in capsys.readouterr().err
+    assert cli.main(["train-head", "--out", str(tmp_path / "o"), "--resume"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    assert cli.main(["train-head", "--out", str(tmp_path / "o"), "--prompts", str(bad), "--data", "d.npz"]) == 2
+    assert "--prompts and --data both" in capsys.readouterr().err
+    assert cli.main(["train-head", "--out", str(tmp_path / "o"), "--data", str(tmp_path / "none.npz")]) == 2
+    assert "not a readable training data file" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------
+# EAGLE-3: training, the written head, resume
+# ------------------------------------------------------------------------------------------
+
+def test_training_lowers_the_loss_and_learns_the_targets_rule(eagle3_run):
+    result, _ = eagle3_run
+    first, last = result.history[0], result.history[-1]
+    assert result.step == EAGLE3_RUN.steps and len(result.history) == EAGLE3_RUN.steps
+    assert last["loss"] < 0.05 * first["loss"], (first, last)
+    assert last["top1"] > 0.9
+    assert result.validation["top1"] > 0.8
+    assert all(t > 0.6 for t in result.validation["top1_by_step"])  # deeper unrolled drafts too
+
+
+def test_written_head_loads_and_drafts_exactly_with_high_acceptance(toy, eagle3_run):
+    target, prompts, examples, _ = toy
+    result, out = eagle3_run
+    head = jaxspec.load(str(out))
+    assert head.config == result.head.config and head.config.draft_vocab_size == 96
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), head.params, result.head.params)
+    spec = jaxspec.generate(target, head, prompts, max_new_tokens=ANSWER, ignore_eos=True, num_draft_tokens=3)
+    # The distilled answers are the target's plain greedy output.
+    assert spec.tokens == [list(e.tokens[e.prompt_length:]) for e in examples]
+    assert spec.stats.tau > 3.0, spec.stats  # k + 1 = 4 is the ceiling; a random head gets ~1
+    stats = train.measure_tau(target, head, prompts, num_draft_tokens=3, max_new_tokens=ANSWER, ignore_eos=True)
+    assert stats.tau == spec.stats.tau
+
+
+def test_resume_continues_the_same_run(toy, eagle3_run, tmp_path):
+    target, _, _, data = toy
+    uninterrupted, _ = eagle3_run
+    partial = train.train(target, data, tmp_path, EAGLE3_RUN, stop_after=25, progress=False)
+    assert partial.step == 25 and partial.head_path is None and not (tmp_path / "config.json").exists()
+    with pytest.raises(jaxspec.InvalidRequestError, match="already holds a training run"):
+        train.train(target, data, tmp_path, EAGLE3_RUN, progress=False)
+    other = train.TrainConfig(**{**EAGLE3_RUN.to_dict(), "learning_rate": 1e-4})
+    with pytest.raises(jaxspec.InvalidRequestError, match=r"different settings \['learning_rate'\]"):
+        train.train(target, data, tmp_path, other, resume=True, progress=False)
+    saved_cfg, saved_data = train.saved_run(tmp_path)
+    assert saved_cfg == EAGLE3_RUN and saved_data.fingerprint() == data.fingerprint()
+
+    resumed = train.train(target, saved_data, tmp_path, saved_cfg, resume=True, progress=False)
+    assert resumed.step == EAGLE3_RUN.steps and resumed.head_path == tmp_path
+    assert [h["step"] for h in resumed.history] == list(range(26, EAGLE3_RUN.steps + 1))
+    np.testing.assert_allclose([h["loss"] for h in resumed.history],
+                               [h["loss"] for h in uninterrupted.history[25:]], rtol=1e-4, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 resumed.head.params, uninterrupted.head.params)
+
+
+def test_train_head_reuses_distilled_data_and_a_shared_feature_cache(toy, eagle3_run, tmp_path):
+    """`data=` skips self-distillation (another run's train_data.npz) and `feature_dir=` reads the
+    first run's cache: same data, same settings, so the same head, with no target pass."""
+    target, _, _, data = toy
+    first, first_dir = eagle3_run
+    saved = train.Dataset.load(first_dir / train.DATA_FILE)
+    stamps = {p.name: p.stat().st_mtime_ns for p in (first_dir / train.FEATURE_DIR).glob("*.npy")}
+    result, stats = train.train_head(target, tmp_path, EAGLE3_RUN, data=saved, tau_prompts=0,
+                                     feature_dir=first_dir / train.FEATURE_DIR, head_dtype="bfloat16", progress=False)
+    assert stats is None and result.head_path == tmp_path and not (tmp_path / train.FEATURE_DIR).exists()
+    assert stamps == {p.name: p.stat().st_mtime_ns for p in (first_dir / train.FEATURE_DIR).glob("*.npy")}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), result.head.params, first.head.params)
+    head = jaxspec.load(str(tmp_path))  # written in bfloat16: the same weights, rounded
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2 ** -8, atol=1e-30), head.params, first.head.params)
+    with pytest.raises(jaxspec.InvalidRequestError, match="head_dtype must be one of"):
+        train.train_head(target, tmp_path / "x", EAGLE3_RUN, data=saved, head_dtype="float16")
+
+
+# ------------------------------------------------------------------------------------------
+# MTP: the same loop with the MTP forward
+# ------------------------------------------------------------------------------------------
+
+def test_mtp_head_trains_and_round_trips(toy, tmp_path):
+    """The MTP path shares the loop; its drafting in the decode loop is proven in test_mtp.py
+    (measured here would cost one more compile of the whole decode program)."""
+    target, _, _, data = toy
+    cfg = train.TrainConfig(method="mtp", steps=40, batch_size=8, learning_rate=3e-3, warmup_steps=5,
+                            val_fraction=0.0, save_every=1000)
+    result = train.train(target, data, tmp_path, cfg, progress=False)
+    first, last = result.history[0], result.history[-1]
+    assert last["loss"] < 0.1 * first["loss"], (first, last)
+    assert last["top1"] > 0.9
+    assert result.validation is None  # no held-out split asked for
+    head = jaxspec.load(str(result.head_path))
+    assert head.config == result.head.config and head.config.block.num_layers == 1
+    jax.tree.map(np.testing.assert_array_equal, head.params, result.head.params)
+    assert jaxspec.load_mtp(str(result.head_path)).config == head.config  # what --method mtp --draft DIR reads
+    # A damaged head names what is wrong.
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(result.head_path / "model.safetensors"))
+    for damage, message in [(lambda t: t.pop("eh_proj"), "lacks MTP head tensor 'eh_proj'"),
+                            (lambda t: t.update(enorm=t["enorm"][:-1]), "'enorm' has shape"),
+                            (lambda t: t.update({"block.q_proj": t["block.q_proj"].astype(np.int32)}), "dtype I32")]:
+        broken = dict(tensors)
+        damage(broken)
+        save_file(broken, str(result.head_path / "model.safetensors"))
+        with pytest.raises(jaxspec.CheckpointError, match=message):
+            jaxspec.load(str(result.head_path))
