@@ -1,4 +1,4 @@
-"""The Qwen3.5 hybrid trunk: delta-rule forms, HF parity, rollback of recurrent state, exactness.
+"""The Qwen3.5 hybrid trunk: delta-rule forms, HF parity, exactness (the cache: test_hybrid_cache.py).
 
 Parity is against transformers' `qwen3_5` text model on small random checkpoints written here
 (every weight drawn at random, so a swapped tensor cannot hide behind ones or zeros). The
@@ -25,8 +25,7 @@ from jaxspec.checkpoints import load_checkpoint
 from jaxspec.config import RopeScaling, RopeType
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models import qwen35
-from jaxspec.cache import StateRollbackError
-from jaxspec.models.qwen35 import DeltaRule, LayerType, Qwen35Cache, Qwen35Config
+from jaxspec.models.qwen35 import LayerType, Qwen35Cache, Qwen35Config
 from jaxspec.sampling import SamplingParams, distribution, spec_for
 from jaxspec.spec import loop
 from jaxspec.spec.proposers import Proposal
@@ -38,12 +37,7 @@ LIN, FULL = LayerType.LINEAR_ATTENTION, LayerType.FULL_ATTENTION
 forward = jax.jit(qwen35.forward, static_argnums=1, static_argnames=("delta_rule", "hidden_layers"))
 
 
-@jax.jit
-def _commit(cache, target):
-    return cache.set_length(target)
-
-
-def _step_fn(cfg):
+def step_fn(cfg):
     @jax.jit
     def step(params, cache, token):  # one token per row, committed
         logits, _, cache = qwen35.forward(params, cfg, token[:, None], cache)
@@ -94,7 +88,7 @@ def _randomize(model, seed: int) -> None:
                 param.copy_(0.12 * torch.randn(param.shape, generator=generator))
 
 
-def _write_hf(directory: pathlib.Path, case: str, dtype: str = "float32", seed=0):
+def write_hf(directory: pathlib.Path, case: str, dtype: str = "float32", seed=0):
     import torch
     import transformers
 
@@ -109,12 +103,12 @@ def _write_hf(directory: pathlib.Path, case: str, dtype: str = "float32", seed=0
 @pytest.fixture(scope="module", params=sorted(HF_CASES))
 def hf_case(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
-    hf_model = _write_hf(directory, request.param, seed=len(request.param))
+    hf_model = write_hf(directory, request.param, seed=len(request.param))
     ckpt = load_checkpoint(directory)
     return hf_model, jaxspec.Model(config=ckpt.config, params=ckpt.params)
 
 
-def _hf_logits(hf_model, tokens) -> np.ndarray:
+def hf_logits(hf_model, tokens) -> np.ndarray:
     import torch
 
     with torch.no_grad():
@@ -130,7 +124,7 @@ def test_config_reads_the_layer_pattern_and_rope_width(hf_case):
     assert (model.params.lm_head is not None) != cfg.tie_embeddings
 
 
-def _prefill(model, tokens, cache):
+def prefill(model, tokens, cache):
     """The 80-token chunked forward every parity and cache test shares (one program per case)."""
     layers = (-1, 0, model.config.num_layers - 2)
     return forward(model.params, model.config, jnp.asarray(tokens, jnp.int32), cache, hidden_layers=layers)
@@ -142,8 +136,8 @@ def test_chunked_prefill_logits_and_hidden_states_match_transformers(hf_case):
 
     hf_model, model = hf_case
     tokens = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 80))
-    logits, hiddens, _ = _prefill(model, tokens, Qwen35Cache.create(model.config, 2, 96))
-    error = max_relative_error(logits, _hf_logits(hf_model, tokens))
+    logits, hiddens, _ = prefill(model, tokens, Qwen35Cache.create(model.config, 2, 96))
+    error = max_relative_error(logits, hf_logits(hf_model, tokens))
     assert error <= 1e-4, f"max relative logits error {error:.2e}"
     with torch.no_grad():
         reference = hf_model(torch.tensor(tokens), output_hidden_states=True).hidden_states
@@ -163,7 +157,7 @@ def test_step_by_step_decode_and_32_greedy_tokens_match_transformers(hf_case):
         reference = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                       max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    step = _step_fn(cfg)
+    step = step_fn(cfg)
     cache = Qwen35Cache.create(cfg, 1, 64)
     ours, step_logits = [], []
     token = prompt[0]
@@ -175,7 +169,7 @@ def test_step_by_step_decode_and_32_greedy_tokens_match_transformers(hf_case):
         else:
             token = int(np.argmax(step_logits[-1]))
             ours.append(token)
-    full = _hf_logits(hf_model, [prompt + reference])[0]
+    full = hf_logits(hf_model, [prompt + reference])[0]
     error = max_relative_error(np.stack(step_logits), full[: len(step_logits)])
     assert error <= 1e-4, f"max relative logits error {error:.2e}"
     assert_same_greedy(ours, reference, lambda i: full[len(prompt) - 1 + i])
@@ -188,7 +182,7 @@ def test_yarn_scaled_rope_matches_transformers(tmp_path):
     import transformers
 
     case = "attention-first-untied-rope0.5"
-    hf_model = _write_hf(tmp_path, case, seed=9)
+    hf_model = write_hf(tmp_path, case, seed=9)
     yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=50000.0,
                 partial_rotary_factor=0.5)
     scaled_model = transformers.Qwen3_5ForCausalLM(
@@ -199,16 +193,16 @@ def test_yarn_scaled_rope_matches_transformers(tmp_path):
                                                                     original_max_position_embeddings=32))
     tokens = np.random.RandomState(9).randint(0, cfg.vocab_size, (1, 40))
     logits, _, _ = forward(ckpt.params, cfg, jnp.asarray(tokens, jnp.int32), Qwen35Cache.create(cfg, 1, 48))
-    error = max_relative_error(logits, _hf_logits(scaled_model, tokens))
+    error = max_relative_error(logits, hf_logits(scaled_model, tokens))
     assert error <= 1e-4, f"max relative logits error {error:.2e}"
-    assert max_relative_error(logits, _hf_logits(hf_model, tokens)) > 1e-3
+    assert max_relative_error(logits, hf_logits(hf_model, tokens)) > 1e-3
 
 
 def test_bf16_checkpoint_and_multimodal_layout_load(tmp_path):
     """bf16 safetensors load exactly (to float32, norms + 1); a `qwen3_5` (vision-language) dir
     with the text trunk under model.language_model.* loads the same params."""
     case = "interval4-tied-rope0.25"
-    hf_model = _write_hf(tmp_path / "bf16", case, dtype="bfloat16", seed=5)
+    hf_model = write_hf(tmp_path / "bf16", case, dtype="bfloat16", seed=5)
     ckpt = load_checkpoint(tmp_path / "bf16")
     state = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
     np.testing.assert_array_equal(ckpt.params.embed, state["model.embed_tokens.weight"])
@@ -233,115 +227,6 @@ def test_bf16_checkpoint_and_multimodal_layout_load(tmp_path):
     vl = load_checkpoint(multimodal)
     assert vl.config == ckpt.config
     jax.tree.map(np.testing.assert_array_equal, vl.params, ckpt.params)
-
-
-# ----------------------------------------------------------------------------------------------
-# The cache: verify-then-select, ragged prefill, rollback through the ring
-# ----------------------------------------------------------------------------------------------
-
-
-CACHE_CASE = "attention-first-untied-rope0.5"  # the cache tests run on one case
-
-
-def _cache_case(hf_case):
-    hf_model, model = hf_case
-    if [t.value for t in model.config.layer_types] != HF_CASES[CACHE_CASE]["layer_types"]:
-        pytest.skip(f"cache behaviour is checked once, on {CACHE_CASE}")
-    return hf_model, model
-
-
-def test_verify_forward_then_advance_selects_each_rows_state(hf_case):
-    """After a prefill, a T = 5 forward, then advance by n per row (0, 2, 5 ...): the next step's
-    logits equal HF's on the committed sequence, so each row kept exactly its state after n."""
-    hf_model, model = _cache_case(hf_case)
-    cfg = model.config
-    sequence = np.random.RandomState(4).randint(0, cfg.vocab_size, (2, 80))
-    full = _hf_logits(hf_model, sequence)
-    prefix = 12
-    cache = Qwen35Cache.create(cfg, 2, 96)
-    _, _, cache = _prefill(model, sequence, cache)
-    cache = _commit(cache, jnp.full((2,), prefix, jnp.int32))
-    verify_logits, _, verified = forward(model.params, cfg, jnp.asarray(sequence[:, prefix:prefix + 5], jnp.int32), cache)
-    assert max_relative_error(verify_logits, full[:, prefix:prefix + 5]) <= 1e-4
-    assert isinstance(verified.pending, qwen35.RecordedSteps)
-    for accepted in ([0, 5], [2, 3], [5, 1]):
-        lengths = prefix + np.asarray(accepted)
-        committed = _commit(verified, jnp.asarray(lengths, jnp.int32))  # = verified.advance(accepted)
-        assert committed.pending is None
-        # The token after the committed ones, run from the selected state, for every row.
-        next_tokens = sequence[np.arange(2), lengths][:, None]
-        logits, _, _ = forward(model.params, cfg, jnp.asarray(next_tokens, jnp.int32), committed)
-        assert max_relative_error(logits[:, 0], full[np.arange(2), lengths]) <= 1e-4, accepted
-    # The chunked record (recorded_steps=0): start state + per-position inputs, the commit
-    # recomputing the selected state; the same numbers.
-    _, _, chunked = forward(model.params, cfg, jnp.asarray(sequence[:, prefix:prefix + 5], jnp.int32), cache,
-                            delta_rule=DeltaRule.CHUNKED)
-    assert isinstance(chunked.pending, qwen35.ChunkedSteps)
-    lengths = prefix + np.asarray([3, 1])
-    committed = _commit(chunked, jnp.asarray(lengths, jnp.int32))
-    logits, _, _ = forward(model.params, cfg, jnp.asarray(sequence[np.arange(2), lengths][:, None], jnp.int32), committed)
-    assert max_relative_error(logits[:, 0], full[np.arange(2), lengths]) <= 1e-4
-    # A commit the cache cannot serve, inside a jitted program: that row's state turns to NaN.
-    bad = _commit(verified, jnp.asarray([prefix - 1, prefix + 2], jnp.int32))
-    logits, _, _ = forward(model.params, cfg, jnp.asarray(sequence[:, :1], jnp.int32), bad)
-    assert np.isnan(logits[0]).all() and np.isfinite(logits[1]).all()
-
-
-def test_ragged_chunked_prefill_commits_each_rows_own_state(hf_case):
-    """Right-padded prompts of 80 and 37 tokens in one chunked forward; after set_length each row
-    continues as if it had run alone (padding never reaches its state)."""
-    hf_model, model = _cache_case(hf_case)
-    cfg = model.config
-    rng = np.random.RandomState(5)
-    tokens = rng.randint(0, cfg.vocab_size, (2, 80))
-    lengths = np.array([80, 37])
-    cache = Qwen35Cache.create(cfg, 2, 96)
-    _, _, cache = _prefill(model, tokens, cache)
-    assert isinstance(cache.pending, qwen35.ChunkedSteps)
-    cache = _commit(cache, jnp.asarray(lengths, jnp.int32))
-    following = rng.randint(0, cfg.vocab_size, (2,))
-    logits, _, _ = forward(model.params, cfg, jnp.asarray(following[:, None], jnp.int32), cache)
-    for row in range(2):
-        sequence = list(tokens[row, :lengths[row]]) + [following[row]]
-        expected = _hf_logits(hf_model, [sequence])[0, -1]
-        assert max_relative_error(logits[row, 0], expected) <= 1e-4
-
-
-
-
-def test_rollback_within_the_ring_restores_the_state(hf_case):
-    _, model = _cache_case(hf_case)
-    cfg = model.config
-    step = _step_fn(cfg)
-    tokens = np.random.RandomState(6).randint(0, cfg.vocab_size, (20,))
-    cache = Qwen35Cache.create(cfg, 1, 64)
-    seen = []
-    for token in tokens:
-        logits, cache = step(model.params, cache, jnp.asarray([token], jnp.int32))
-        seen.append(np.asarray(logits[0]))
-    for back in range(1, cfg.rollback_states):  # up to R - 1 positions back, no forward between
-        rolled = cache.set_length(cache.length - back)
-        position = len(tokens) - back
-        logits, _ = step(model.params, rolled, jnp.asarray([tokens[position]], jnp.int32))
-        np.testing.assert_allclose(logits[0], seen[position], rtol=1e-5, atol=1e-5)
-
-
-def test_rollback_past_the_ring_raises(hf_case):
-    _, model = _cache_case(hf_case)
-    cfg = dataclasses.replace(model.config, rollback_states=3)
-    step = _step_fn(cfg)
-    cache = Qwen35Cache.create(cfg, 2, 32)
-    for token in range(6):
-        _, cache = step(model.params, cache, jnp.asarray([token, token], jnp.int32))
-    cache.set_length(cache.length - 2)  # R - 1 back: fine
-    with pytest.raises(StateRollbackError, match="rollback_states=3"):
-        cache.set_length(jnp.asarray([6, 3], jnp.int32))
-    with pytest.raises(StateRollbackError, match="length 7"):
-        cache.set_length(cache.length + 1)  # forward with no forward pass: the state is unknown
-    # Inside a jitted program the same check runs (only a failing program calls back to the host).
-    with pytest.raises(Exception, match="rollback_states=3"):
-        jax.block_until_ready(_commit(cache, jnp.asarray([6, 2], jnp.int32)).length)
-    np.testing.assert_array_equal(_commit(cache, jnp.asarray([6, 4], jnp.int32)).length, [6, 4])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,7 +258,7 @@ def hybrid():
 def reference(hybrid):
     """Each prompt's greedy continuation decoded token by token by the trunk alone (no loop):
     all rows in lockstep, each feeding its prompt and then its own argmax."""
-    step = _step_fn(SPEC_CFG)
+    step = step_fn(SPEC_CFG)
     cache = Qwen35Cache.create(SPEC_CFG, len(PROMPTS), 64)
     sequences = [list(prompt) for prompt in PROMPTS]
     for position in range(max(map(len, PROMPTS)) + NEW_TOKENS - 1):
@@ -619,7 +504,7 @@ def test_config_dataclass_checks_the_layer_pattern():
     ("model.layers.3.self_attn.q_norm.weight", "q_norm.weight' .layer 3 is full_attention"),
 ])
 def test_missing_tensors_are_named(tmp_path, missing, message):
-    _write_hf(tmp_path, "interval4-tied-rope0.25")
+    write_hf(tmp_path, "interval4-tied-rope0.25")
     tensors = load_file(tmp_path / "model.safetensors")
     del tensors[missing]
     save_file(tensors, tmp_path / "model.safetensors")

@@ -8,8 +8,8 @@ Contract: the gated delta rule in two forms that compute the same numbers,
     state at each chunk start (`chunk_end_state` recomputes any position within a chunk);
 and `gated_delta_net`, the whole layer: q/k/v projection, a short causal depthwise conv1d
 (`conv_windows` gives the conv window after any number of new inputs), the rule, and an RMSNorm
-gated by silu(z). Everything is a pure function; the hybrid cache (jaxspec.models.qwen35) owns
-the ring of committed states and decides which form a forward runs.
+gated by silu(z). Everything is a pure function; the hybrid cache (jaxspec.models.hybrid_cache)
+owns the ring of committed states, and `qwen35.forward` decides which form a forward runs.
 
 Letters (beside STYLE.md's): E value heads (the state's heads), J key heads, X key head dim,
 Y value head dim, C conv channels (2*J*X + E*Y), W conv kernel, c chunk size. The state is
@@ -230,7 +230,8 @@ def gated_delta_net(weights: DeltaNetParams, cfg: DeltaNetConfig, h: jax.Array, 
     conv_window [B, W-1, C] and state [B, E, X, Y]
     are the committed ones at each row's length.
     Returns the output [D, B*T] and what the commit needs, keyed by the fields of the cache's
-    record (qwen35.RecordedSteps for the recurrent form, qwen35.ChunkedSteps for the chunked).
+    record (`hybrid_cache.RecordedSteps` for the recurrent form, `hybrid_cache.ChunkedSteps` for
+    the chunked).
     """
     J, E, X, Y = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mixed = (weights.qkv_proj @ h).reshape(cfg.conv_dim, batch, steps).transpose(1, 2, 0)  # [B, T, C]
