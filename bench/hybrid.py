@@ -28,7 +28,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig

@@ -1,13 +1,16 @@
 """The Cache protocol (both caches honour it, max_rollback means what it says), and the KV
 cache: per-row writes, rollback by length, and forward consistency across cache states."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.cache import Cache, KVCache, StateRollbackError, write_rows
+from jaxspec.cache import KV_AXES, Cache, KVCache, StateRollbackError, write_rows
 from jaxspec.models import llama, qwen35
+from jaxspec.models.hybrid_cache import CONV_AXES, SSM_AXES
 from jaxspec.models.qwen35 import LayerType, Qwen35Cache, Qwen35Config
 from tests.conftest import TINY, max_relative_error
 
@@ -78,6 +81,19 @@ def test_create_shapes_and_lengths():
     assert cache.capacity == 32 and cache.batch == 3
     np.testing.assert_array_equal(cache.length, [0, 0, 0])
     np.testing.assert_array_equal(cache.advance(jnp.array([1, 2, 0])).length, [1, 2, 0])
+
+
+@pytest.mark.parametrize("kv_format", ["f32", "q8_0"])
+def test_cache_buffers_have_one_logical_axis_per_dimension(kv_format):
+    """The caches' logical axis names (what sharding maps to a mesh) fit every buffer they name."""
+    cfg = TINY if kv_format == "f32" else dataclasses.replace(TINY, head_dim=32, rotary_dim=32)
+    cache = KVCache.create(cfg, batch=2, capacity=8, kv_format=kv_format)
+    for leaf in jax.tree.leaves((cache.keys, cache.values)):  # a packed format's leaves too
+        assert leaf.ndim == len(KV_AXES)
+    hybrid = Qwen35Cache.create(HYBRID, 2, 8)
+    assert all(leaf.ndim == len(KV_AXES) for leaf in jax.tree.leaves((hybrid.keys, hybrid.values)))
+    assert all(state.ndim == len(SSM_AXES) for state in hybrid.ssm)
+    assert all(window.ndim == len(CONV_AXES) for window in hybrid.conv)
 
 
 @pytest.fixture(scope="module")
