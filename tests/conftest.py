@@ -9,14 +9,30 @@ import numpy as np
 import pytest
 
 from jaxspec.api import Model
-from jaxspec.config import ModelConfig
-from jaxspec.models import llama
+from jaxspec.config import Architecture, ModelConfig
+from jaxspec.models import llama, qwen35
 
 TINY = ModelConfig(
     vocab_size=128, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=96,
     rotary_dim=16, max_position_embeddings=256, eos_token_ids=(3,),
 )
 
+
+# One tiny config per trunk variant a family's layout branches on (bias, tied head, QK-norm,
+# both Qwen3.5 layer kinds): the family and params tests walk all of them.
+LLAMA_CONFIGS = {
+    "llama-untied": ModelConfig(vocab_size=32, dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
+                                ffn_dim=24, rotary_dim=4),
+    "qwen2-bias-tied": ModelConfig(architecture=Architecture.QWEN2, vocab_size=32, dim=16, num_layers=1,
+                                   num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=24, rotary_dim=8,
+                                   attention_bias=True, tie_embeddings=True),
+    "qwen3-qknorm": ModelConfig(architecture=Architecture.QWEN3, vocab_size=32, dim=16, num_layers=1,
+                                num_heads=2, num_kv_heads=2, head_dim=8, ffn_dim=24, rotary_dim=8, qk_norm=True),
+}
+HYBRID_CONFIG = qwen35.Qwen35Config(
+    vocab_size=32, dim=16, num_layers=2, layer_types=("linear_attention", "full_attention"), ffn_dim=24,
+    num_heads=2, num_kv_heads=1, head_dim=8, rotary_dim=2, linear_num_key_heads=1, linear_num_value_heads=2,
+    linear_key_head_dim=4, linear_value_head_dim=4)
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Model:

@@ -14,25 +14,14 @@ import numpy as np
 import pytest
 
 from jaxspec import models
-from jaxspec.config import Architecture, ModelConfig
+from jaxspec.config import ModelConfig
+from tests.conftest import HYBRID_CONFIG, LLAMA_CONFIGS
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models import llama, qwen35
 from jaxspec.models.family import TensorSource
 from jaxspec.models.params import is_shape
 
-LLAMA_CONFIGS = {
-    "llama-untied": ModelConfig(vocab_size=32, dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
-                                ffn_dim=24, rotary_dim=4),
-    "qwen2-bias-tied": ModelConfig(architecture=Architecture.QWEN2, vocab_size=32, dim=16, num_layers=1,
-                                   num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=24, rotary_dim=8,
-                                   attention_bias=True, tie_embeddings=True),
-    "qwen3-qknorm": ModelConfig(architecture=Architecture.QWEN3, vocab_size=32, dim=16, num_layers=1,
-                                num_heads=2, num_kv_heads=2, head_dim=8, ffn_dim=24, rotary_dim=8, qk_norm=True),
-}
-QWEN35_CONFIG = qwen35.Qwen35Config(
-    vocab_size=32, dim=16, num_layers=2, layer_types=("linear_attention", "full_attention"), ffn_dim=24,
-    num_heads=2, num_kv_heads=1, head_dim=8, rotary_dim=2, linear_num_key_heads=1, linear_num_value_heads=2,
-    linear_key_head_dim=4, linear_value_head_dim=4)
+QWEN35_CONFIG = HYBRID_CONFIG
 CONFIGS = {**LLAMA_CONFIGS, "qwen3_5-hybrid": QWEN35_CONFIG}
 INIT = {ModelConfig: llama.init_params, qwen35.Qwen35Config: qwen35.init_params}
 

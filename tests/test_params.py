@@ -17,24 +17,12 @@ import pytest
 
 from jaxspec import models
 from jaxspec.checkpoints import store
-from jaxspec.config import Architecture, ModelConfig
+from tests.conftest import HYBRID_CONFIG, LLAMA_CONFIGS
 from jaxspec.errors import CheckpointError, InvalidRequestError
 from jaxspec.models import eagle3, llama, mtp, qwen35
 from jaxspec.models.params import is_axes, logical_axes
 
-LLAMA_CONFIGS = {
-    "llama-untied": ModelConfig(vocab_size=32, dim=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
-                                ffn_dim=24, rotary_dim=4),
-    "qwen2-bias-tied": ModelConfig(architecture=Architecture.QWEN2, vocab_size=32, dim=16, num_layers=1,
-                                   num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=24, rotary_dim=8,
-                                   attention_bias=True, tie_embeddings=True),
-    "qwen3-qknorm": ModelConfig(architecture=Architecture.QWEN3, vocab_size=32, dim=16, num_layers=1,
-                                num_heads=2, num_kv_heads=2, head_dim=8, ffn_dim=24, rotary_dim=8, qk_norm=True),
-}
-QWEN35 = qwen35.Qwen35Config(
-    vocab_size=32, dim=16, num_layers=2, layer_types=("linear_attention", "full_attention"), ffn_dim=24,
-    num_heads=2, num_kv_heads=1, head_dim=8, rotary_dim=2, linear_num_key_heads=1, linear_num_value_heads=2,
-    linear_key_head_dim=4, linear_value_head_dim=4, tie_embeddings=True)
+QWEN35 = dataclasses.replace(HYBRID_CONFIG, tie_embeddings=True)
 TRUNKS = {**LLAMA_CONFIGS, "qwen3_5-hybrid": QWEN35}
 EAGLE3 = eagle3.Eagle3Config(dim=16, num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=24, draft_vocab_size=8,
                              vocab_size=32, rope_theta=10000.0, rotary_dim=8, norm_eps=1e-5,

@@ -54,7 +54,7 @@ from jaxspec.models.layers import (
     rms_norm,
     rope_tables,
 )
-from jaxspec.models.params import param
+from jaxspec.models.params import LeafFn, param, trunk_params
 from jaxspec.pallas.flash_decode import Attention
 
 
@@ -86,16 +86,10 @@ def layer_from(cfg: ModelConfig, leaf: Callable[[str], Any]) -> LlamaLayer:
     return LlamaLayer(attn_norm=attn_norm, attention=attention, mlp_norm=mlp_norm, mlp=mlp)
 
 
-def params_from(cfg: ModelConfig, leaf: Callable[[str, int | None], Any]) -> LlamaParams:
+def params_from(cfg: ModelConfig, leaf: LeafFn) -> LlamaParams:
     """The params tree of `cfg`, each param `leaf(name, layer index)` (index None at the top:
     embed, final_norm, lm_head), asked in checkpoint order: embed, layer by layer, the rest."""
-    return LlamaParams(
-        embed=leaf("embed", None),
-        layers=tuple(layer_from(cfg, lambda name, index=index: leaf(name, index))
-                     for index in range(cfg.num_layers)),
-        final_norm=leaf("final_norm", None),
-        lm_head=None if cfg.tie_embeddings else leaf("lm_head", None),
-    )
+    return trunk_params(LlamaParams, cfg, leaf, lambda index, layer_leaf: layer_from(cfg, layer_leaf))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> LlamaParams:

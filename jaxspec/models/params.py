@@ -20,6 +20,7 @@ so a loader and the forward agree on the structure by construction.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from flax import struct
@@ -62,3 +63,20 @@ def logical_axes(tree: Any) -> Any:
     if tree is None:
         return None
     raise TypeError(f"{type(tree).__name__} is not a params dataclass or a sequence of them")
+
+
+# A param's value given its name and layer index (None for the trunk-level params).
+LeafFn = Callable[[str, int | None], Any]
+
+
+def trunk_params(params_class: type, cfg: Any, leaf: LeafFn, layer: Callable[[int, Callable[[str], Any]], Any]) -> Any:
+    """A trunk's params tree (`embed`, `layers`, `final_norm`, `lm_head`; lm_head None when
+    `cfg.tie_embeddings`), each param `leaf(name, layer index)` and each layer built by
+    `layer(index, leaf of that layer)`, asked in checkpoint order: embed, layer by layer, the rest
+    (so a reader's first missing tensor is the first one a file would hold)."""
+    return params_class(
+        embed=leaf("embed", None),
+        layers=tuple(layer(index, lambda name, index=index: leaf(name, index)) for index in range(cfg.num_layers)),
+        final_norm=leaf("final_norm", None),
+        lm_head=None if cfg.tie_embeddings else leaf("lm_head", None),
+    )

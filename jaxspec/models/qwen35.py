@@ -60,7 +60,7 @@ from jaxspec.models.layers import (
     self_attention,
     swiglu,
 )
-from jaxspec.models.params import is_shape, param
+from jaxspec.models.params import LeafFn, is_shape, param, trunk_params
 from jaxspec.pallas.flash_decode import Attention
 
 
@@ -298,16 +298,10 @@ def layer_from(kind: LayerType, leaf: Callable[[str], Any]) -> FullAttentionLaye
     return DeltaNetLayer(attn_norm=attn_norm, delta_net=delta_net, mlp_norm=mlp_norm, mlp=mlp)
 
 
-def params_from(cfg: Qwen35Config, leaf: Callable[[str, int | None], Any]) -> Qwen35Params:
+def params_from(cfg: Qwen35Config, leaf: LeafFn) -> Qwen35Params:
     """The params tree of `cfg`, each param `leaf(name, layer index)` (index None at the top:
     embed, final_norm, lm_head), asked in checkpoint order: embed, layer by layer, the rest."""
-    return Qwen35Params(
-        embed=leaf("embed", None),
-        layers=tuple(layer_from(kind, lambda name, index=index: leaf(name, index))
-                     for index, kind in enumerate(cfg.layer_types)),
-        final_norm=leaf("final_norm", None),
-        lm_head=None if cfg.tie_embeddings else leaf("lm_head", None),
-    )
+    return trunk_params(Qwen35Params, cfg, leaf, lambda index, layer_leaf: layer_from(cfg.layer_types[index], layer_leaf))
 
 
 def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Qwen35Params:
