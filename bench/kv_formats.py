@@ -27,7 +27,6 @@ import argparse
 import functools
 import json
 import pathlib
-import re
 import statistics
 import sys
 import time

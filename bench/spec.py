@@ -359,7 +359,6 @@ def group_summary(records: list[dict], methods: list[Method], hf_ids: set[int]) 
 
 def build_report(args, picked, methods, hf_methods, records, summaries, costs, sweep, chosen,
                  mismatches, incomplete, seconds, compile_s) -> str:
-    ks = args.k
     lines = [f"{SECTION}\n"]
     total_prompts = sum(len(v) for v in picked.values())
     lines.append(
@@ -407,7 +406,7 @@ def build_report(args, picked, methods, hf_methods, records, summaries, costs, s
         lines.append(
             "Prompts: " + ", ".join(f"#{p.question_id}" + (f" ({p.category})" if group == "mt_bench" else "")
                                     for p in prompts)
-            + f"; HF on " + (", ".join(f"#{p.question_id}" for p in hf_prompts) if hf_prompts else "none")
+            + "; HF on " + (", ".join(f"#{p.question_id}" for p in hf_prompts) if hf_prompts else "none")
             + ". Prompt tokens: " + ", ".join(str(r["prompt_tokens"]) for r in records if r["group"] == group)
             + ".\n")
         s = summaries[group]
@@ -476,7 +475,7 @@ def build_report(args, picked, methods, hf_methods, records, summaries, costs, s
                      f"{fmt(sweep.get('measured_tau'), '.2f')}, speedup {fmt(sweep.get('measured_speedup'), '.2f', 'x')}).\n")
 
     lines.append(acceptance_report(records, methods, costs, args))
-    lines.append(f"Figure: `bench/spec_speedup.png` (speedup per group and method; the T-cost curve).\n")
+    lines.append("Figure: `bench/spec_speedup.png` (speedup per group and method; the T-cost curve).\n")
     lines.append(_reading(summaries, methods, hf_methods, costs, args))
     return "\n".join(lines)
 
