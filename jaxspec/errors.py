@@ -1,7 +1,10 @@
-"""Errors jaxspec raises for bad input, always before anything is traced or jitted.
+"""Errors jaxspec raises for bad input, always before anything is traced or jitted, and the one
+type test every count and id in a request goes through.
 
 Each names what was wrong so a user (or the CLI, which prints one line and exits 2) can act on it.
 """
+
+import numpy as np
 
 
 class JaxspecError(ValueError):
@@ -18,3 +21,8 @@ class UnsupportedModelError(JaxspecError):
 
 class InvalidRequestError(JaxspecError):
     """A generation request is out of range (prompt, token ids, sampling parameters, lengths)."""
+
+
+def is_integer(value) -> bool:
+    """An int or numpy integer, and not a bool (True is an int to Python, never a count or an id)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -11,9 +11,8 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 
-from jaxspec.errors import InvalidRequestError
+from jaxspec.errors import InvalidRequestError, is_integer
 from jaxspec.models import layers
 from jaxspec.tokenizer import Tokenizer
 
@@ -33,8 +32,7 @@ def layer_skip(model: Model, exit_layer: int) -> Model:
     """Self-speculation draft: the target's first `exit_layer` layers, then its final norm and
     head (LayerSkip; HF's `assistant_early_exit`). Shares the target's weight arrays."""
     num_layers = model.config.num_layers
-    is_integer = isinstance(exit_layer, (int, np.integer)) and not isinstance(exit_layer, bool)
-    if not is_integer or not 1 <= exit_layer < num_layers:
+    if not is_integer(exit_layer) or not 1 <= exit_layer < num_layers:
         raise InvalidRequestError(f"exit_layer must be an integer in [1, {num_layers}); got {exit_layer!r}")
     params = dataclasses.replace(model.params, layers=model.params.layers[:exit_layer])
     config = dataclasses.replace(model.config, num_layers=int(exit_layer))

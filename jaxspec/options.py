@@ -16,16 +16,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxspec.cache import KVFormat
-from jaxspec.errors import InvalidRequestError
+from jaxspec.errors import InvalidRequestError, is_integer
 from jaxspec.pallas.flash_decode import Attention, resolve_attention
 from jaxspec.sampling import SamplerSpec, spec_for
 from jaxspec.spec.methods import DRAFT_SAMPLING, MAX_DRAFT_TOKENS, DraftOptions, Method
 
 MAX_NGRAM = 16
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,27 +65,27 @@ class GenerateOptions:
         if self.method is not None:
             normalise("method", Method.parse(self.method))
         k = self.num_draft_tokens
-        if not _is_int(k) or not 1 <= k <= MAX_DRAFT_TOKENS:
+        if not is_integer(k) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise InvalidRequestError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}]; got {k!r}")
-        if not (_is_int(self.ngram_min) and _is_int(self.ngram_max)
+        if not (is_integer(self.ngram_min) and is_integer(self.ngram_max)
                 and 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM):
             raise InvalidRequestError(
                 f"need 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}; got {self.ngram_min}, {self.ngram_max}")
-        if self.exit_layer is not None and (not _is_int(self.exit_layer) or self.exit_layer < 1):
+        if self.exit_layer is not None and (not is_integer(self.exit_layer) or self.exit_layer < 1):
             raise InvalidRequestError(f"exit_layer must be an integer >= 1; got {self.exit_layer!r}")
         if self.draft_sampling not in (None, *DRAFT_SAMPLING):
             raise InvalidRequestError(f"draft_sampling must be one of {DRAFT_SAMPLING}; got {self.draft_sampling!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
         self._check_sampling()
-        if not _is_int(self.seed):
+        if not is_integer(self.seed):
             raise InvalidRequestError(f"seed must be an integer; got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if not all(isinstance(text, str) and text for text in stop):
             raise InvalidRequestError(f"stop strings must be non-empty strings; got {stop!r}")
         normalise("stop", stop)
         stop_ids = tuple(self.stop_token_ids or ())
-        if not all(_is_int(t) and t >= 0 for t in stop_ids):
+        if not all(is_integer(t) and t >= 0 for t in stop_ids):
             raise InvalidRequestError(f"stop_token_ids must be integers >= 0; got {stop_ids!r}")
         normalise("stop_token_ids", tuple(int(t) for t in stop_ids))
         if self.kv_format is not None:
@@ -120,8 +116,7 @@ class GenerateOptions:
     @property
     def sampler(self) -> SamplerSpec:
         """Which sampling stages the compiled program needs for these values."""
-        return spec_for(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                        repetition_penalty=self.repetition_penalty)
+        return spec_for(**self.sampling_values)
 
     @property
     def sampling_values(self) -> dict:

@@ -382,5 +382,4 @@ def generated_tokens(state: DecodeState, rows: int) -> list[list[int]]:
 prefill_jit = jax.jit(prefill, static_argnames=("spec",))
 decode_jit = jax.jit(decode, static_argnames=("spec",), donate_argnames=("state",))
 run_jit = jax.jit(run, static_argnames=("spec",))
-round_step_jit = jax.jit(round_step, static_argnames=("spec",), donate_argnames=("state",))
 stream_step_jit = jax.jit(stream_step, static_argnames=("spec",), donate_argnames=("state",))
