@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One short check of the Pallas kernels on a GPU (issue 7):
-#   1. the kernel tests (tests/test_flash_decode.py, tests/test_kv_quant.py), natively compiled;
+#   1. the kernel tests (tests/test_flash_decode.py, tests/test_kv_quant.py,
+#      tests/test_int8_matmul.py), natively compiled;
 #   2. the decode kernel against the XLA reference at B=8 S=8192 N=32 K=8 H=128, T=1, for each
-#      K/V format, against the HBM roofline (packed KV bytes / 4.8 TB/s, an H200's); the table
-#      is printed last.
+#      K/V format, against the HBM roofline (packed KV bytes / 4.8 TB/s, an H200's);
+#   3. the W8A16 matmul kernel against its XLA reference at the default model's weight shapes
+#      (576x576, 1536x576, 576x1536, 49152x576) for N = 2, 5, 64, against the same roofline
+#      (int8 weight + bf16 x + float32 out bytes). Each timing step prints its table last.
 #
 #   bench/gpu_check.sh          on a GPU machine (jax with CUDA); falls back to --cpu without one
 #   bench/gpu_check.sh --cpu    the same steps on CPU: kernels in the Pallas interpreter, tiny sizes
@@ -28,7 +31,11 @@ else
 fi
 
 echo "== kernel tests ($mode: $([[ $mode == cpu ]] && echo 'Pallas interpreter' || echo 'native Triton'))"
-python -m pytest -q -p no:cacheprovider tests/test_flash_decode.py tests/test_kv_quant.py
+python -m pytest -q -p no:cacheprovider tests/test_flash_decode.py tests/test_kv_quant.py \
+  tests/test_int8_matmul.py
 
 echo "== decode kernel vs XLA reference"
 python bench/kv_formats.py timing "${timing_args[@]}"
+
+echo "== W8A16 matmul kernel vs XLA reference"
+python bench/int8_matmul.py "${timing_args[@]}"
