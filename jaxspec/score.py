@@ -142,8 +142,8 @@ def score(model: Model, texts_or_ids, *, add_bos: bool | None = None, chunk_toke
     compilation.enable_persistent_cache()
     cache = models.create_cache(model.config, batch, capacity)
     chunk_logprobs = []  # [B, C] each, left on the device until all chunks are queued
-    shape = f"score [batch {batch}, {chunk} tokens a chunk, {capacity} cache slots]"
-    with compilation.CompileWatch(shape):
+    program = f"score [batch {batch}, {chunk} tokens a chunk, {capacity} cache slots]"
+    with compilation.CompileWatch(program):
         for start in range(0, steps_needed, chunk):
             tokens = jnp.asarray(padded[:, start: start + chunk])
             next_tokens = jnp.asarray(padded[:, start + 1: start + chunk + 1])

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tokenizers
 
 import ckpt_fixtures as fx
 import jaxspec
@@ -38,7 +39,8 @@ SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: the checkpoint's config says
 
 @pytest.fixture(scope="module")
 def hybrid_model() -> jaxspec.Model:
-    return jaxspec.Model(config=HYBRID_CONFIG, params=qwen35.init_params(HYBRID_CONFIG, jax.random.PRNGKey(1), scale=0.3))
+    params = qwen35.init_params(HYBRID_CONFIG, jax.random.PRNGKey(1), scale=0.3)
+    return jaxspec.Model(config=HYBRID_CONFIG, params=params)
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +50,10 @@ def tiny_scores(tiny_model) -> jaxspec.ScoreResult:
 
 def write_word_tokenizer(directory) -> None:
     """A word-level tokenizer.json over fx.TINY's vocabulary: SPECIALS, WORDS, then fillers."""
-    import tokenizers
-
     vocab = SPECIALS + WORDS
     vocab += [f"w{i}" for i in range(fx.TINY["vocab_size"] - len(vocab))]
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    word_level = tokenizers.models.WordLevel({token: i for i, token in enumerate(vocab)}, unk_token="<unk>")
+    tokenizer = tokenizers.Tokenizer(word_level)
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.save(str(directory / "tokenizer.json"))
 
@@ -67,7 +68,8 @@ def hf_llama(tmp_path_factory):
     fx.make_hf_checkpoint(directory)
     write_word_tokenizer(directory)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    return hf_model, jaxspec.load(str(directory), use_cache=False), directory
+    model = jaxspec.load(str(directory))  # an HF directory is read directly: nothing is cached
+    return hf_model, model, directory
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,8 +210,12 @@ def test_bad_input_is_refused_before_anything_compiles(tiny_model, texts_or_ids,
     assert watch.seconds == 0.0
 
 
-@pytest.mark.parametrize("texts, needle", [("", "prompt 0 is an empty string"), (["the cat", ""], "prompt 1 is an empty string"),
-                                           ("cat", "row 0 has 1 token(s)")], ids=["empty", "one-empty", "one-word"])
+@pytest.mark.parametrize(
+    "texts, needle",
+    [("", "prompt 0 is an empty string"), (["the cat", ""], "prompt 1 is an empty string"),
+     ("cat", "row 0 has 1 token(s)")],
+    ids=["empty", "one-empty", "one-word"],
+)
 def test_bad_texts_are_refused(hf_llama, texts, needle):
     _, model, _ = hf_llama
     with pytest.raises(jaxspec.InvalidRequestError, match=re.escape(needle)):
@@ -217,8 +223,8 @@ def test_bad_texts_are_refused(hf_llama, texts, needle):
 
 
 def test_a_draft_head_is_refused(tiny_model):
-    head = jaxspec.Model(config=mtp.MtpConfig(block=TINY), params=mtp.init_params(mtp.MtpConfig(block=TINY),
-                                                                                   jax.random.PRNGKey(0)))
+    head_config = mtp.MtpConfig(block=TINY)
+    head = jaxspec.Model(config=head_config, params=mtp.init_params(head_config, jax.random.PRNGKey(0)))
     with pytest.raises(jaxspec.InvalidRequestError, match="score needs a trunk model; got a draft head"):
         jaxspec.score(head, [5, 6, 7])
     with pytest.raises(jaxspec.InvalidRequestError, match="must be a jaxspec Model"):
@@ -256,7 +262,8 @@ def test_cli_bad_input_exits_2_with_one_line(hf_llama, capsys):
     out, err = capsys.readouterr()
     assert code == cli.EXIT_BAD_INPUT and out == "" and "Traceback" not in err
     # The last stderr line; the load's progress bar comes before it.
-    assert err.splitlines()[-1] == "error: row 0 has 1 token(s); scoring needs at least 2 (the first token is only context)"
+    assert err.splitlines()[-1] == (
+        "error: row 0 has 1 token(s); scoring needs at least 2 (the first token is only context)")
 
 
 @requires_default_model
