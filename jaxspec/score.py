@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +62,7 @@ def score_chunk(params, cache, tokens: jax.Array, next_tokens: jax.Array, *, cfg
     advanced by C (the next chunk continues from there)."""
     batch, steps = tokens.shape
     logits, _, cache = models.forward(params, cfg, tokens, cache)  # [B, C, V]
+    # float32 whatever format the weights (and so the logits) are in: scores are float32.
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, C, V]
     picked = jnp.take_along_axis(logprobs, next_tokens[:, :, None], axis=-1)[:, :, 0]  # [B, C]
     return picked, cache.advance(jnp.full((batch,), steps, jnp.int32))
