@@ -11,10 +11,11 @@ from jaxspec.compilation import set_compile_notices
 from jaxspec.config import Architecture, ModelConfig
 from jaxspec.errors import CheckpointError, InvalidRequestError, JaxspecError, UnsupportedModelError
 from jaxspec.options import GenerateOptions
+from jaxspec.score import ScoreResult, score
 from jaxspec.spec.methods import Method
 
 __all__ = [
     "DEFAULT_MODEL", "Architecture", "CheckpointError", "GenerateOptions", "GenerateResult", "InvalidRequestError",
-    "JaxspecError", "Method", "Model", "ModelConfig", "SpecStats", "Stream", "UnsupportedModelError",
-    "generate", "layer_skip", "load", "load_mtp", "prepare", "set_compile_notices", "stream",
+    "JaxspecError", "Method", "Model", "ModelConfig", "ScoreResult", "SpecStats", "Stream", "UnsupportedModelError",
+    "generate", "layer_skip", "load", "load_mtp", "prepare", "score", "set_compile_notices", "stream",
 ]

@@ -1,4 +1,4 @@
-"""`python -m jaxspec.cli generate | info | convert | train-head`.
+"""`python -m jaxspec.cli generate | score | info | convert | train-head`.
 
 Bad input (a missing model, an out-of-range parameter) prints one line, in the CLI's own terms
 (`--draft`, not `draft_params`), and exits with status 2. Generation defaults are
@@ -17,6 +17,7 @@ import sys
 from jaxspec import api, checkpoints, compilation
 from jaxspec.errors import InvalidRequestError, JaxspecError
 from jaxspec.options import GenerateOptions
+from jaxspec.score import score
 from jaxspec.spec.methods import DRAFT_SAMPLING, Method
 
 EXIT_BAD_INPUT = 2
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the model's chat template (default: on when the model has one)")
     gen.add_argument("-q", "--quiet", action="store_true", help="no 'compiling ...' notice on stderr")
+
+    scorer = commands.add_parser("score", help="each token's log-probability under the model, and the perplexity")
+    scorer.add_argument("text")
+    scorer.add_argument("--model", default=api.DEFAULT_MODEL,
+                        help="'smollm2-135m' (default), a .gguf file, an HF or a converted directory")
+    scorer.add_argument("--json", action="store_true", help="one JSON object: the tokens, their log-probs, perplexity")
 
     info = commands.add_parser("info", help="describe a checkpoint from its headers")
     info.add_argument("model", nargs="?", default=api.DEFAULT_MODEL)
@@ -177,6 +184,21 @@ def _generate(args) -> None:
     )
 
 
+def _score(args) -> None:
+    model = api.load(args.model, progress=True)
+    result = score(model, args.text)
+    # The first token is context only; each later one is scored given everything before it.
+    scored = [{"id": int(token), "text": model.tokenizer.decode([token], skip_special_tokens=False),
+               "logprob": float(logprob)} for token, logprob in zip(result.tokens[0][1:], result.logprobs[0])]
+    perplexity = float(result.perplexity[0])
+    if args.json:
+        print(json.dumps({"tokens": scored, "perplexity": perplexity}))
+        return
+    for token in scored:
+        print(f"{token['logprob']:10.4f}  {json.dumps(token['text'], ensure_ascii=False)}")
+    print(f"perplexity {perplexity:.4f} over {len(scored)} tokens")
+
+
 def _train_head(args) -> None:
     from jaxspec import train  # optax and orbax load only for training
 
@@ -209,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             _generate(args)
+        elif args.command == "score":
+            _score(args)
         elif args.command == "info":
             print(json.dumps(checkpoints.info(args.model), indent=2))
         elif args.command == "convert":
