@@ -1,6 +1,7 @@
 """jaxspec: exact, fast speculative decoding of language models in JAX.
 
     model = jaxspec.load()                      # SmolLM2-135M-Instruct, the default
+    # jaxspec.load(weight_format="int8")        # int8 weights: W8A8 products on CPU
     result = jaxspec.generate(model, None, "Tell me a joke", chat=True, max_new_tokens=64)
     print(result.text[0], result.stats.decode_tokens_per_second)
 """
@@ -10,6 +11,8 @@ from jaxspec.api import (DEFAULT_MODEL, GenerateResult, Model, SpecStats, Stream
 from jaxspec.compilation import set_compile_notices
 from jaxspec.config import Architecture, ModelConfig
 from jaxspec.errors import CheckpointError, InvalidRequestError, JaxspecError, UnsupportedModelError
+from jaxspec.model import convert_weights
+from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
 from jaxspec.score import ScoreResult, score
 from jaxspec.spec.methods import Method
@@ -17,5 +20,5 @@ from jaxspec.spec.methods import Method
 __all__ = [
     "DEFAULT_MODEL", "Architecture", "CheckpointError", "GenerateOptions", "GenerateResult", "InvalidRequestError",
     "JaxspecError", "Method", "Model", "ModelConfig", "ScoreResult", "SpecStats", "Stream", "UnsupportedModelError",
-    "generate", "layer_skip", "load", "load_mtp", "prepare", "score", "set_compile_notices", "stream",
+    "WeightFormat", "convert_weights", "generate", "layer_skip", "load", "load_mtp", "prepare", "score", "set_compile_notices", "stream",
 ]

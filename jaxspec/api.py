@@ -20,7 +20,10 @@ import numpy as np
 
 from jaxspec import checkpoints, compilation
 from jaxspec.errors import InvalidRequestError
-from jaxspec.model import Model, layer_skip, lm_head_of
+from jaxspec.model import Model, layer_skip, lm_head_of, with_weight_format
+from jaxspec.models import quant
+from jaxspec.models.layers import fuse_projections
+from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
 from jaxspec.sampling import SamplingParams
 from jaxspec.spec import loop
@@ -39,28 +42,40 @@ MIN_NEW_TOKENS_BUCKET = 128
 MIN_STOP_IDS_BUCKET = 8  # stop token ids (EOS included) travel as a padded array
 
 
-def load(name_or_path: str = DEFAULT_MODEL, *, use_cache: bool = True, progress: bool = False) -> Model:
+def load(name_or_path: str = DEFAULT_MODEL, *, weight_format: WeightFormat | str = WeightFormat.AUTO,
+         use_cache: bool = True, progress: bool = False) -> Model:
     """Load a model: "smollm2-135m" (the default), a GGUF file, an HF or a converted directory; or a
-    draft head: "eagle3-smollm2-135m" (shipped), an EAGLE-3 head or a trained MTP head directory."""
+    draft head: "eagle3-smollm2-135m" (shipped), an EAGLE-3 head or a trained MTP head directory.
+
+    `weight_format` (jaxspec.models.quant): "f32", "bf16", "int8" (W8A8 on CPU, W8A16 on GPU), or
+    "auto": f32 on CPU and bf16 on GPU (a converted directory: the format it stores). A draft
+    loaded with "auto" runs in its target's format. Q/K/V and gate/up are fused into one product
+    each (`layers.fuse_projections`).
+    """
+    weight_format = WeightFormat.parse(weight_format)
     path = checkpoints.resolve_model(name_or_path)
-    head = _load_head_dir(path)
+    head = _load_head_dir(path, weight_format)
     if head is not None:
         return head
-    ckpt = checkpoints.load_checkpoint(path, use_cache=use_cache, progress=progress)
+    ckpt = checkpoints.load_checkpoint(path, use_cache=use_cache, progress=progress, weight_format=weight_format)
     tokenizer = Tokenizer.from_checkpoint_source(ckpt.tokenizer_source)  # None: token-id prompts only
-    return Model(config=ckpt.config, params=ckpt.params, tokenizer=tokenizer, source=str(ckpt.source))
+    return Model(config=ckpt.config, params=fuse_projections(ckpt.params), tokenizer=tokenizer,
+                 source=str(ckpt.source), weight_format=weight_format)
 
 
-def _load_head_dir(path) -> Model | None:
+def _load_head_dir(path, weight_format: WeightFormat = WeightFormat.AUTO) -> Model | None:
     """A draft head directory (EAGLE-3, or an MTP head trained by jaxspec.train) as a Model with
-    no trunk and no tokenizer of its own; None when `path` is not one."""
+    no trunk and no tokenizer of its own; None when `path` is not one. In AUTO it stays float32
+    until it runs beside a target (`with_weight_format`)."""
     if checkpoints.is_eagle3_dir(path):
         config, params = checkpoints.load_eagle3(path)
     elif checkpoints.is_mtp_head_dir(path):
         config, params = checkpoints.load_mtp_head(path)
     else:
         return None
-    return Model(config=config, params=params, source=str(path))
+    if weight_format is not WeightFormat.AUTO:
+        params = quant.convert(params, weight_format)
+    return Model(config=config, params=fuse_projections(params), source=str(path), weight_format=weight_format)
 
 
 def load_mtp(model_or_path: "Model | str") -> Model:
@@ -77,7 +92,7 @@ def load_mtp(model_or_path: "Model | str") -> Model:
         raise InvalidRequestError(
             f"{path} carries no MTP head: an HF directory whose config.json declares num_nextn_predict_layers")
     config, params = checkpoints.load_mtp(path)
-    return Model(config=config, params=params, source=str(path))
+    return Model(config=config, params=fuse_projections(params), source=str(path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +241,8 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     method = options.method if options.method is not None else Method.infer(draft_params)
     if method is Method.MTP and draft_params is None:  # the head the target's own checkpoint carries
         draft_params = load_mtp(model)
+    if isinstance(draft_params, Model):
+        draft_params = with_weight_format(draft_params, model)
     sampler = options.sampler
     speculation = build(method, model, draft_params, options.draft_options, sampler)
     k = speculation.num_draft

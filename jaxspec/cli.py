@@ -16,11 +16,16 @@ import sys
 
 from jaxspec import api, checkpoints, compilation
 from jaxspec.errors import InvalidRequestError, JaxspecError
+from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
 from jaxspec.score import score
 from jaxspec.spec.methods import DRAFT_SAMPLING, Method
 
 EXIT_BAD_INPUT = 2
+WEIGHT_FORMAT_FLAG = dict(
+    choices=[f.value for f in WeightFormat], default=WeightFormat.AUTO.value,
+    help="the model's weights: auto (default: f32 on CPU, bf16 on GPU), f32, bf16, or int8 (W8A8 on CPU); "
+         "a draft follows the model's")
 DEFAULTS = GenerateOptions()
 # What `--draft` must name for each method that needs one.
 DRAFT_FOR = {Method.DRAFT: "--draft MODEL (a draft model sharing the vocabulary)",
@@ -64,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --method layer_skip: layers the draft keeps (default half)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the model's chat template (default: on when the model has one)")
+    gen.add_argument("--weight-format", **WEIGHT_FORMAT_FLAG)
     gen.add_argument("-q", "--quiet", action="store_true", help="no 'compiling ...' notice on stderr")
 
     scorer = commands.add_parser("score", help="each token's log-probability under the model, and the perplexity")
@@ -71,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     scorer.add_argument("--model", default=api.DEFAULT_MODEL,
                         help="'smollm2-135m' (default), a .gguf file, an HF or a converted directory")
     scorer.add_argument("--json", action="store_true", help="one JSON object: the tokens, their log-probs, perplexity")
+    scorer.add_argument("--weight-format", **WEIGHT_FORMAT_FLAG)
 
     info = commands.add_parser("info", help="describe a checkpoint from its headers")
     info.add_argument("model", nargs="?", default=api.DEFAULT_MODEL)
@@ -79,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("source")
     convert.add_argument("output")
     convert.add_argument("--overwrite", action="store_true")
+    convert.add_argument("--weight-format", choices=[f.value for f in WeightFormat if f is not WeightFormat.AUTO],
+                         default=WeightFormat.F32.value, help="how the directory stores the weights (default f32)")
 
     head = commands.add_parser("train-head", help="train an EAGLE-3 or MTP draft head on the model's own answers")
     head.add_argument("--method", choices=("eagle3", "mtp"), default="eagle3")
@@ -162,7 +171,7 @@ def _generate(args) -> None:
         draft_sampling=args.draft_sampling, kv_format=kv_format, attention=args.attention,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
-    model = api.load(args.model, progress=True)
+    model = api.load(args.model, weight_format=args.weight_format, progress=True)
     if args.method == Method.MTP:  # the head lives in a target's directory (no --draft: the model's own)
         draft = api.load_mtp(args.draft) if args.draft else None
     else:
@@ -185,7 +194,7 @@ def _generate(args) -> None:
 
 
 def _score(args) -> None:
-    model = api.load(args.model, progress=True)
+    model = api.load(args.model, weight_format=args.weight_format, progress=True)
     result = score(model, args.text)
     # The first token is context only; each later one is scored given everything before it.
     scored = [{"id": int(token), "text": model.tokenizer.decode([token], skip_special_tokens=False),
@@ -236,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "info":
             print(json.dumps(checkpoints.info(args.model), indent=2))
         elif args.command == "convert":
-            out = checkpoints.convert(args.source, args.output, overwrite=args.overwrite, progress=True)
+            out = checkpoints.convert(args.source, args.output, overwrite=args.overwrite, progress=True,
+                                      weight_format=args.weight_format)
             print(f"converted {args.source} -> {out}")
         elif args.command == "train-head":
             _train_head(args)

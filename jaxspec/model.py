@@ -8,12 +8,14 @@ own. Nothing here traces or compiles.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import jax
 
 from jaxspec.errors import InvalidRequestError, is_integer
-from jaxspec.models import layers
+from jaxspec.models import layers, quant
+from jaxspec.models.quant import WeightFormat
 from jaxspec.tokenizer import Tokenizer
 
 
@@ -26,6 +28,9 @@ class Model:
     tokenizer: Tokenizer | None = None
     source: str | None = None
     exit_layer: int | None = None  # a layer-skip draft: how many of its target's layers it keeps
+    # The weight format asked for at load: a concrete one, or AUTO (a draft in AUTO runs in its
+    # target's format, `with_weight_format`). The params' own format is `quant.format_of(params)`.
+    weight_format: WeightFormat = WeightFormat.AUTO
 
 
 def layer_skip(model: Model, exit_layer: int) -> Model:
@@ -43,3 +48,29 @@ def layer_skip(model: Model, exit_layer: int) -> Model:
 def lm_head_of(model: Model) -> jax.Array:
     """The target's output projection [V, D]: its embedding when tied. An MTP head speaks through it."""
     return layers.output_head(model.params.embed, model.params.lm_head)
+
+
+# Drafts converted to a target's format, kept per draft Model so a repeated generate call
+# converts once (a Model is hashable by identity; the entry goes when the draft does).
+_CONVERTED_DRAFTS: "weakref.WeakKeyDictionary[Model, dict[WeightFormat, Model]]" = weakref.WeakKeyDictionary()
+
+
+def with_weight_format(draft: Model, target: Model) -> Model:
+    """The draft in the format it runs in beside `target`: its own when it was loaded with an
+    explicit weight format, else the target's (converted once, then reused)."""
+    fmt = quant.format_of(target.params)
+    if draft.weight_format is not WeightFormat.AUTO or quant.format_of(draft.params) is fmt:
+        return draft
+    converted = _CONVERTED_DRAFTS.setdefault(draft, {})
+    if fmt not in converted:
+        converted[fmt] = dataclasses.replace(convert_weights(draft, fmt), weight_format=WeightFormat.AUTO)
+    return converted[fmt]
+
+
+def convert_weights(model: Model, weight_format: WeightFormat | str) -> Model:
+    """`model` with its linear weights in `weight_format` ("f32", "bf16", "int8"; "auto" is
+    this platform's) and q/k/v, gate/up fused (`layers.fuse_projections`), as `load` gives
+    them. Converting to int8 and back to f32 keeps int8's rounding."""
+    fmt = WeightFormat.parse(weight_format)
+    params = layers.fuse_projections(quant.convert(model.params, fmt))
+    return dataclasses.replace(model, params=params, weight_format=fmt)

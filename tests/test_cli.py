@@ -125,6 +125,29 @@ def test_quiet_silences_the_compile_notice(tiny, tiny_cache, converted, capsys):
     assert notice.startswith("jaxspec: compiling prefill [plain, batch 1, prompts up to 64 tokens")
 
 
+def _tree_bytes(root: pathlib.Path) -> int:
+    return sum(path.stat().st_size for path in root.rglob("*") if path.is_file())
+
+
+def test_int8_weights_convert_cache_and_generate_alike(tiny, tiny_cache, converted, capsys):
+    """--weight-format int8: a converted directory stores int8 (a fraction of f32's bytes), the
+    GGUF cache keeps an int8 entry beside the f32 one, and both generate the same text."""
+    int8_dir = tiny["root"] / "converted-int8"
+    code, _, err = run(capsys, "convert", str(tiny["gguf"]), str(int8_dir), "--weight-format", "int8")
+    assert code == 0, err
+    code, out, err = run(capsys, "info", str(int8_dir))
+    assert code == 0 and "I8" in json.loads(out)["tensor_types"], err
+    assert _tree_bytes(int8_dir / "params") < 0.5 * _tree_bytes(converted / "params")
+    outs = []
+    for model_path, flags in ((tiny["gguf"], ("--weight-format", "int8")), (int8_dir, ())):
+        code, out, err = run(capsys, "generate", "tok1tok2", "--no-chat", "--max-new-tokens", "8",
+                             "--model", str(model_path), *flags)
+        assert code == 0, err
+        outs.append(out)
+    assert outs[0] == outs[1]
+    assert any(entry.name.endswith("-int8") for entry in (tiny_cache / "params").iterdir())
+
+
 def test_convert_refuses_a_non_empty_output(tiny, converted, capsys):
     code, out, err = run(capsys, "convert", str(tiny["gguf"]), str(converted))
     assert_one_line_error(code, out, err, "already exists")

@@ -8,6 +8,7 @@ then on its family (jaxspec.models.family), so every family any reader supports 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -15,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.checkpoints import gguf as gguf_reader
@@ -22,25 +24,41 @@ from jaxspec.checkpoints import safetensors, store
 from jaxspec.checkpoints.assemble import Checkpoint, to_jax
 from jaxspec.checkpoints.resolve import HF_CONFIG, JAXSPEC_META, resolve_model
 from jaxspec.errors import CheckpointError
+from jaxspec.models import quant
+from jaxspec.models.quant import WeightFormat
 from jaxspec.models.params import is_shape
 
 
-def load_checkpoint(
-    name_or_path: str | os.PathLike[str], *, use_cache: bool = True, progress: bool = False
-) -> Checkpoint:
-    """Load a model by name ("smollm2-135m") or path (GGUF, HF directory, converted directory).
+# How `info` names a converted directory's stored dtypes (as GGUF and safetensors name theirs).
+STORED_TYPE_NAMES = {np.dtype(np.float32): "F32", np.dtype(jnp.bfloat16): "BF16", np.dtype(np.int8): "I8"}
 
-    GGUF params are cached (orbax, keyed by the file's sha256, under `store.cache_dir()`) unless
-    `use_cache=False`, so a second load skips dequantization; HF and converted directories are
-    read directly either way. `progress` shows a bar over tensors while converting.
+
+def load_checkpoint(
+    name_or_path: str | os.PathLike[str], *, use_cache: bool = True, progress: bool = False,
+    weight_format: WeightFormat | str = WeightFormat.AUTO,
+) -> Checkpoint:
+    """Load a model by name ("smollm2-135m") or path (GGUF, HF directory, converted directory),
+    its linear weights in `weight_format` (jaxspec.models.quant). "auto": a converted directory's
+    own format, else this platform's default (f32 on CPU, bf16 on GPU).
+
+    GGUF params are cached (orbax, keyed by the file's sha256 and the format, under
+    `store.cache_dir()`) unless `use_cache=False`, so a second load skips dequantization and
+    quantization; HF and converted directories are read directly either way. `progress` shows a
+    bar over tensors while converting.
     """
+    weight_format = WeightFormat.parse(weight_format)
     path = resolve_model(name_or_path)
     if path.is_dir() and (path / JAXSPEC_META).is_file():
-        return store.load_converted(path)
+        checkpoint = store.load_converted(path)
+        if weight_format is WeightFormat.AUTO:
+            return checkpoint
+        return dataclasses.replace(checkpoint, params=quant.convert(checkpoint.params, weight_format))
+    weight_format = weight_format.resolve()
     if path.is_dir():
         cfg, host_params = safetensors.load_hf_dir(path, progress=progress)
-        return Checkpoint(config=cfg, params=to_jax(host_params), tokenizer_source=path, source=path)
-    return store.load_gguf(path, use_cache=use_cache, progress=progress)
+        return Checkpoint(config=cfg, params=to_jax(quant.convert(host_params, weight_format)),
+                          tokenizer_source=path, source=path)
+    return store.load_gguf(path, use_cache=use_cache, progress=progress, weight_format=weight_format)
 
 
 def info(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -51,7 +69,8 @@ def info(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
         source_format = "jaxspec"
         family, cfg = store.converted_family(path)
         shapes = jax.tree.leaves(family.param_shapes(cfg), is_leaf=is_shape)
-        tensor_types["F32"] = len(shapes)
+        stored = jax.tree.leaves(quant.shape_structs(family.param_shapes(cfg), store.converted_weight_format(path)))
+        tensor_types.update(STORED_TYPE_NAMES[np.dtype(leaf.dtype)] for leaf in stored)
         param_count = sum(int(np.prod(shape)) for shape in shapes)
         file_size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     elif path.is_dir():
@@ -94,19 +113,21 @@ def info(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def convert(
     src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False,
-    progress: bool = False,
+    progress: bool = False, weight_format: WeightFormat | str = WeightFormat.F32,
 ) -> pathlib.Path:
-    """Write a self-contained jaxspec directory that `load_checkpoint(out_dir)` reads back.
+    """Write a self-contained jaxspec directory that `load_checkpoint(out_dir)` reads back, its
+    weights stored in `weight_format` (f32, bf16 or int8).
 
     Any source `load_checkpoint` reads, of any family; the layout is `store`'s docstring. Written
     to a temp sibling and renamed, so it is never half there.
     """
+    weight_format = WeightFormat.parse(weight_format).resolve()
     out = pathlib.Path(out_dir).expanduser().absolute()
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out} already exists and is not empty (pass overwrite=True to replace it)")
     if out.exists() and resolve_model(src) == out.resolve():
         raise CheckpointError(f"cannot convert {out} onto itself")
-    checkpoint = load_checkpoint(src, use_cache=False, progress=progress)
+    checkpoint = load_checkpoint(src, use_cache=False, progress=progress, weight_format=weight_format)
     if out.is_dir():
         shutil.rmtree(out)
     elif out.exists():

@@ -1,12 +1,14 @@
-"""jaxspec's own storage: the orbax float32 weight cache and converted directories.
+"""jaxspec's own storage: the orbax weight cache and converted directories.
 
 GGUF params cost seconds to dequantize, so `load_gguf` caches them with orbax under
-`cache_dir()` (~/.cache/jaxspec), keyed by the file's sha256: a second load restores instead.
+`cache_dir()` (~/.cache/jaxspec), keyed by the file's sha256 and the weight format: a second
+load restores instead. Each entry holds the weights in their format (jaxspec.models.quant):
+float32, bfloat16, or int8 codes with per-row scales (about a quarter of float32's bytes).
 HF safetensors are not cached: they are already float, read about as fast as an orbax restore,
 and a float32 copy would double (for bf16: triple) their disk footprint.
 
 A converted directory (`jaxspec convert`) is self-contained: `jaxspec.json` (format version,
-family, config, source), `params/` (orbax), and the tokenizer (the HF tokenizer files, or
+family, config, weight format, source), `params/` (orbax, in that weight format), and the tokenizer (the HF tokenizer files, or
 `gguf_tokenizer.json` holding a GGUF's `tokenizer.*` metadata). Cache entries and converted
 directories are written to a temp sibling and renamed, so neither is ever half there.
 """
@@ -35,20 +37,22 @@ from jaxspec.checkpoints import gguf as gguf_reader
 from jaxspec.checkpoints.assemble import Checkpoint, to_jax
 from jaxspec.checkpoints.resolve import JAXSPEC_META
 from jaxspec.checkpoints.safetensors import read_json
-from jaxspec.errors import CheckpointError
+from jaxspec.errors import CheckpointError, JaxspecError
+from jaxspec.models import quant
 from jaxspec.models.family import Family
-from jaxspec.models.params import is_shape
+from jaxspec.models.quant import WeightFormat
 
 logger = logging.getLogger(__name__)
 
 GGUF_TOKENIZER_FILE = "gguf_tokenizer.json"
 PARAMS_DIR = "params"
-# Version 2: params stored as the families' typed trees (layers.0.attention.q_proj, ...); a
-# version-1 directory (flat layer dicts) is refused by name rather than misread.
-FORMAT_VERSION = 2
+# Version 3: params stored as the families' typed trees (layers.0.attention.q_proj, ...), with
+# the fused-projection fields (empty) and a weight format; an older directory is refused by
+# name rather than misread.
+FORMAT_VERSION = 3
 # Bump when GGUF -> params conversion or the stored tree changes, so stale cache entries are
-# never reused (v2: the typed params trees).
-CACHE_VERSION = 2
+# never reused (v2: the typed params trees; v3: fused-projection fields, weight formats).
+CACHE_VERSION = 3
 # Tokenizer material an HF directory may carry; a converted directory copies whichever exist.
 HF_TOKENIZER_FILES = (
     "tokenizer.json",
@@ -74,9 +78,11 @@ def file_sha256(path: pathlib.Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-def gguf_cache_entry(gguf_path: pathlib.Path, digest: str | None = None) -> pathlib.Path:
-    """The cache directory holding a GGUF file's float32 params (whether or not it exists yet)."""
-    return cache_dir() / "params" / f"{digest or file_sha256(gguf_path)}-v{CACHE_VERSION}"
+def gguf_cache_entry(gguf_path: pathlib.Path, digest: str | None = None,
+                     weight_format: WeightFormat = WeightFormat.F32) -> pathlib.Path:
+    """The cache directory holding a GGUF file's params in `weight_format` (whether or not it
+    exists yet)."""
+    return cache_dir() / "params" / f"{digest or file_sha256(gguf_path)}-v{CACHE_VERSION}-{weight_format.value}"
 
 
 def _checkpointer() -> Any:
@@ -99,26 +105,28 @@ def save_params(params: Any, path: pathlib.Path) -> None:
         checkpointer.save(path.absolute(), args=ocp.args.PyTreeSave(params))
 
 
-def restore_params(path: pathlib.Path, family: Family, cfg: Any) -> Any:
-    """Read params written by save_params, as float32 jax arrays shaped by the family's `cfg`.
+def restore_params(path: pathlib.Path, family: Family, cfg: Any,
+                   weight_format: WeightFormat = WeightFormat.F32) -> Any:
+    """Read params written by save_params, as jax arrays shaped by the family's `cfg` and typed
+    by `weight_format` (jaxspec.models.quant.shape_structs).
 
-    The target tree comes from the config, so an entry of the wrong structure or shapes fails
-    here (and a cache entry is rebuilt) instead of reaching a model.
+    The target tree comes from the config, so an entry of the wrong structure, shapes or dtypes
+    fails here (and a cache entry is rebuilt) instead of reaching a model.
     """
     import orbax.checkpoint as ocp
 
-    shapes = family.param_shapes(cfg)
-    target = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, np.float32), shapes, is_leaf=is_shape)
+    target = quant.shape_structs(family.param_shapes(cfg), weight_format)
     # Restore to host numpy, then hand the buffers to jax without a copy (see to_jax).
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes, is_leaf=is_shape)
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
     with _checkpointer() as checkpointer:
         restored = checkpointer.restore(
             path.absolute(), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
     if jax.tree.structure(restored) != jax.tree.structure(target):
         raise CheckpointError(f"{path} holds a params tree of another structure than the {family.name} config implies")
-    for got, shape in zip(jax.tree.leaves(restored), jax.tree.leaves(shapes, is_leaf=is_shape), strict=True):
-        if got.shape != shape or got.dtype != np.float32:
-            raise CheckpointError(f"{path} holds a {got.dtype}{list(got.shape)} array where {shape} float32 belongs")
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise CheckpointError(f"{path} holds a {got.dtype}{list(got.shape)} array where "
+                                  f"{want.dtype}{list(want.shape)} belongs")
     return to_jax(restored)
 
 
@@ -171,11 +179,25 @@ def _sweep_stale_tmp(root: pathlib.Path, max_age_s: float = 3600.0) -> None:
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = False) -> Checkpoint:
-    """A GGUF file, its params restored from the cache when an entry exists, else dequantized
-    (and cached, unless `use_cache=False`). A damaged entry is rebuilt; an unwritable cache
-    only logs a warning."""
-    entry = None
+def _restore_entry(entry: pathlib.Path | None, family: Family, cfg: Any, weight_format: WeightFormat) -> Any:
+    """A cache entry's params, or None when there is none; a damaged entry is removed."""
+    if entry is None or not entry.is_dir():
+        return None
+    try:
+        return restore_params(entry, family, cfg, weight_format)
+    except Exception as err:  # any damage means rebuild; the source of truth is the GGUF
+        logger.warning("ignoring corrupt cache entry %s (%s); rebuilding", entry, err)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+
+
+def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = False,
+              weight_format: WeightFormat = WeightFormat.F32) -> Checkpoint:
+    """A GGUF file in `weight_format`, its params restored from the cache when an entry of
+    that format exists, else dequantized (from the float32 entry when there is one) and
+    converted (and cached, unless `use_cache=False`). A damaged entry is rebuilt; an
+    unwritable cache only logs a warning."""
+    entry = float_entry = None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         # hashlib releases the GIL: hash the file while this thread parses the header and
         # imports orbax (~0.3 s of a ~1 s cached load).
@@ -186,16 +208,16 @@ def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = Fa
         if digest is not None:
             import orbax.checkpoint  # noqa: F401
 
-            entry = gguf_cache_entry(path, digest.result())
-    params = None
-    if entry is not None and entry.is_dir():
-        try:
-            params = restore_params(entry, family, cfg)
-        except Exception as err:  # any damage means rebuild; the source of truth is the GGUF
-            logger.warning("ignoring corrupt cache entry %s (%s); rebuilding", entry, err)
-            shutil.rmtree(entry, ignore_errors=True)
+            entry = gguf_cache_entry(path, digest.result(), weight_format)
+            float_entry = gguf_cache_entry(path, digest.result())
+    params = _restore_entry(entry, family, cfg, weight_format)
     if params is None:
-        host_params = gguf_reader.params_from_gguf(gf, cfg, progress=progress)
+        host_params = None
+        if weight_format is not WeightFormat.F32:
+            host_params = jax.device_get(_restore_entry(float_entry, family, cfg, WeightFormat.F32))
+        if host_params is None:
+            host_params = gguf_reader.params_from_gguf(gf, cfg, progress=progress)
+        host_params = quant.convert(host_params, weight_format)
         if entry is not None:
             try:
                 _sweep_stale_tmp(entry.parent)
@@ -221,11 +243,20 @@ def converted_family(directory: pathlib.Path) -> tuple[Family, Any]:
         raise CheckpointError(f"{directory / JAXSPEC_META} holds no valid {family.name} config: {err!r}") from None
 
 
+def converted_weight_format(directory: pathlib.Path) -> WeightFormat:
+    """The weight format a converted directory stores its params in."""
+    name = read_json(directory / JAXSPEC_META).get("weight_format", WeightFormat.F32.value)
+    try:
+        return WeightFormat.parse(name).resolve("cpu")
+    except JaxspecError:
+        raise CheckpointError(f"{directory / JAXSPEC_META} names an unknown weight_format {name!r}") from None
+
+
 def load_converted(directory: pathlib.Path) -> Checkpoint:
-    """A directory written by `save_converted`."""
+    """A directory written by `save_converted`, its params in the format it stores them in."""
     family, cfg = converted_family(directory)
     try:
-        params = restore_params(directory / PARAMS_DIR, family, cfg)
+        params = restore_params(directory / PARAMS_DIR, family, cfg, converted_weight_format(directory))
     except Exception as err:
         raise CheckpointError(f"cannot restore params from {directory / PARAMS_DIR}: {err}") from None
     gguf_tokenizer = directory / GGUF_TOKENIZER_FILE
@@ -253,6 +284,7 @@ def save_converted(checkpoint: Checkpoint, out: pathlib.Path) -> None:
             "format_version": FORMAT_VERSION,
             "family": family.name,
             "config": family.config_to_dict(checkpoint.config),
+            "weight_format": quant.format_of(checkpoint.params).value,
             "source": str(checkpoint.source),
         }
         (tmp / JAXSPEC_META).write_text(json.dumps(meta, indent=2), encoding="utf-8")

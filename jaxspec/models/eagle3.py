@@ -46,7 +46,9 @@ from jaxspec.models.layers import (
     rope_tables,
     self_attention,
     swiglu,
+    unfuse_projections,
 )
+from jaxspec.models.quant import Weight, embedding_rows, matmul, weight_leaves
 from jaxspec.models.params import param
 
 
@@ -54,14 +56,14 @@ from jaxspec.models.params import param
 class Eagle3Params:
     """An EAGLE-3 head: one decoder layer over [embedding; target features], its norm and lm_head."""
 
-    fc: jax.Array = param(axes=("embed", None))  # [D, 3D]: three target features -> one
+    fc: jax.Array = param(axes=("embed", None), linear=True)  # [D, 3D]: three target features -> one
     input_layernorm: jax.Array = param(axes=("embed",))  # [D], on the token embedding
     hidden_norm: jax.Array = param(axes=("embed",))  # [D], on the features
     attention: AttentionParams  # q_proj [N*H, 2D]; k_proj, v_proj [K*H, 2D]; o_proj [D, N*H]
     post_attention_layernorm: jax.Array = param(axes=("embed",))  # [D]
     mlp: MlpParams  # gate_proj, up_proj [F, D]; down_proj [D, F]
     norm: jax.Array = param(axes=("embed",))  # [D]
-    lm_head: jax.Array = param(axes=("vocab", "embed"))  # [Vd, D], over the draft vocabulary
+    lm_head: jax.Array = param(axes=("vocab", "embed"), linear=True)  # [Vd, D], over the draft vocabulary
     # int32[Vd]: target id - draft id; None in the trainable copy jaxspec.train optimises
     d2t: jax.Array | None = param(axes=("vocab",))
 
@@ -85,9 +87,10 @@ def params_from(leaf: Callable[[str], Any]) -> Eagle3Params:
 
 
 def named_leaves(params: Eagle3Params) -> dict[str, jax.Array]:
-    """The head's arrays by their TENSOR_NAMES name (the inverse of `params_from`)."""
+    """The head's weights by their TENSOR_NAMES name (the inverse of `params_from`; fused
+    projections split back, an int8 weight one leaf)."""
     names = jax.tree.leaves(params_from(lambda name: name))
-    return dict(zip(names, jax.tree.leaves(params), strict=True))
+    return dict(zip(names, weight_leaves(unfuse_projections(params)), strict=True))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -182,7 +185,9 @@ def init_params(cfg: Eagle3Config, key: jax.Array, scale: float = 0.05) -> Eagle
 
 def encode(params: Eagle3Params, aux: tuple[jax.Array, ...]) -> jax.Array:
     """g = fc(concat(aux)): the target features [B, T, D] each -> [B, T, D]."""
-    return jnp.einsum("ED,BTD->BTE", params.fc, jnp.concatenate(aux, axis=-1))
+    batch, steps, _ = aux[0].shape
+    features = jnp.concatenate(aux, axis=-1).reshape(batch * steps, -1).T  # [3D, B*T]
+    return matmul(params.fc, features).T.reshape(batch, steps, -1)
 
 
 def create_cache(cfg: Eagle3Config, batch: int, capacity: int) -> KVCache:
@@ -192,7 +197,7 @@ def create_cache(cfg: Eagle3Config, batch: int, capacity: int) -> KVCache:
 def forward(
     params: Eagle3Params,
     cfg: Eagle3Config,
-    embed: jax.Array,
+    embed: Weight,
     tokens: jax.Array,
     g: jax.Array,
     cache: KVCache,
@@ -208,7 +213,7 @@ def forward(
     positions = cache.length[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(attention_cfg, positions)
 
-    e = jnp.take(embed, tokens.reshape(-1), axis=0).T  # [D, B*T]
+    e = embedding_rows(embed, tokens.reshape(-1)).T  # [D, B*T]
     g = g.reshape(batch * steps, cfg.dim).T  # [D, B*T]
     cat = jnp.concatenate([rms_norm(e, params.input_layernorm, cfg.norm_eps),
                            rms_norm(g, params.hidden_norm, cfg.norm_eps)], axis=0)  # [2D, B*T]

@@ -27,21 +27,22 @@ from flax import struct
 
 from jaxspec.models.layers import rms_norm
 from jaxspec.models.params import param
+from jaxspec.models.quant import matmul
 
 
 @struct.dataclass
 class DeltaNetParams:
     """A Gated DeltaNet mixer's weights (`gated_delta_net`), `[out, in]` as HF stores them."""
 
-    qkv_proj: jax.Array = param(axes=("linear_channels", "embed"))  # [C, D]
-    z_proj: jax.Array = param(axes=("linear_heads", "embed"))  # [E*Y, D]: the output gate
-    b_proj: jax.Array = param(axes=("linear_heads", "embed"))  # [E, D]: beta
-    a_proj: jax.Array = param(axes=("linear_heads", "embed"))  # [E, D]: decay input
+    qkv_proj: jax.Array = param(axes=("linear_channels", "embed"), linear=True)  # [C, D]
+    z_proj: jax.Array = param(axes=("linear_heads", "embed"), linear=True)  # [E*Y, D]: the output gate
+    b_proj: jax.Array = param(axes=("linear_heads", "embed"), linear=True)  # [E, D]: beta
+    a_proj: jax.Array = param(axes=("linear_heads", "embed"), linear=True)  # [E, D]: decay input
     conv_weight: jax.Array = param(axes=("linear_channels", None))  # [C, W]: depthwise causal conv
     A_log: jax.Array = param(axes=("linear_heads",))  # [E]
     dt_bias: jax.Array = param(axes=("linear_heads",))  # [E]
     out_norm: jax.Array = param(axes=(None,))  # [Y]: every value head shares it
-    out_proj: jax.Array = param(axes=("embed", "linear_heads"))  # [D, E*Y]
+    out_proj: jax.Array = param(axes=("embed", "linear_heads"), linear=True)  # [D, E*Y]
 
 
 class DeltaNetConfig(Protocol):
@@ -234,7 +235,7 @@ def gated_delta_net(weights: DeltaNetParams, cfg: DeltaNetConfig, h: jax.Array, 
     the chunked).
     """
     J, E, X, Y = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = (weights.qkv_proj @ h).reshape(cfg.conv_dim, batch, steps).transpose(1, 2, 0)  # [B, T, C]
+    mixed = (matmul(weights.qkv_proj, h)).reshape(cfg.conv_dim, batch, steps).transpose(1, 2, 0)  # [B, T, C]
 
     # Depthwise causal conv over [window, new inputs]: out[t] = sum_w weight[:, w] * seq[t + w].
     kernel = cfg.linear_conv_kernel
@@ -251,8 +252,8 @@ def gated_delta_net(weights: DeltaNetParams, cfg: DeltaNetConfig, h: jax.Array, 
     def per_head(projection):  # [E, B*T] -> [B, T, E]
         return projection.reshape(E, batch, steps).transpose(1, 2, 0)
 
-    beta = jax.nn.sigmoid(per_head(weights.b_proj @ h))
-    decay = -jnp.exp(weights.A_log) * jax.nn.softplus(per_head(weights.a_proj @ h) + weights.dt_bias)
+    beta = jax.nn.sigmoid(per_head(matmul(weights.b_proj, h)))
+    decay = -jnp.exp(weights.A_log) * jax.nn.softplus(per_head(matmul(weights.a_proj, h)) + weights.dt_bias)
 
     if rule is DeltaRule.RECURRENT:
         out, states = recurrent_delta_rule(query, key, value, decay, beta, state)
@@ -266,7 +267,7 @@ def gated_delta_net(weights: DeltaNetParams, cfg: DeltaNetConfig, h: jax.Array, 
                        decay=jnp.pad(decay, pad + [(0, 0)]), beta=jnp.pad(beta, pad + [(0, 0)]))
 
     # Gated RMSNorm per value head: norm(out) * weight * silu(z).
-    z = (weights.z_proj @ h).reshape(E, Y, batch, steps).transpose(2, 3, 0, 1)  # [B, T, E, Y]
+    z = (matmul(weights.z_proj, h)).reshape(E, Y, batch, steps).transpose(2, 3, 0, 1)  # [B, T, E, Y]
     out = rms_norm(out, weights.out_norm, cfg.norm_eps, axis=-1) * jax.nn.silu(z)
     out = out.reshape(batch * steps, E * Y).T  # [E*Y, B*T]
-    return weights.out_proj @ out, pending
+    return matmul(weights.out_proj, out), pending

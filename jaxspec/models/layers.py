@@ -16,7 +16,7 @@ Qwen35Config, an EAGLE-3 head's attention config) works, and being frozen they s
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from jaxspec.config import RopeScaling, RopeType
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.pallas.flash_decode import Attention, attend, quantize_for
 from jaxspec.models.params import param
+from jaxspec.models.quant import Weight, concat_rows, matmul, split_rows
 from jaxspec.pallas.kv_quant import Packed
 
 
@@ -37,27 +38,33 @@ class AttentionParams:
     """Self-attention weights, `[out, in]` as HF stores them (`self_attention`).
 
     Optional fields are None where the config has none: biases (`attention_bias`, Qwen2) and
-    the per-head QK-norm (`qk_norm`, Qwen3 and Qwen3.5).
+    the per-head QK-norm (`qk_norm`, Qwen3 and Qwen3.5). After `fuse_projections` q/k/v live in
+    `qkv_proj` (one product instead of three) and q_proj, k_proj, v_proj are None.
     """
 
-    q_proj: jax.Array = param(axes=("heads", "embed"))  # [N*H, D_in] ([N*2H, D] with an output gate)
-    k_proj: jax.Array = param(axes=("kv_heads", "embed"))  # [K*H, D_in]
-    v_proj: jax.Array = param(axes=("kv_heads", "embed"))  # [K*H, D_in]
-    o_proj: jax.Array = param(axes=("embed", "heads"))  # [D, N*H]
+    q_proj: Weight | None = param(axes=("heads", "embed"), linear=True)  # [N*H, D_in] ([N*2H, D] with an output gate)
+    k_proj: Weight | None = param(axes=("kv_heads", "embed"), linear=True)  # [K*H, D_in]
+    v_proj: Weight | None = param(axes=("kv_heads", "embed"), linear=True)  # [K*H, D_in]
+    o_proj: Weight = param(axes=("embed", "heads"), linear=True)  # [D, N*H]
     q_bias: jax.Array | None = param(axes=("heads",))  # [N*H]
     k_bias: jax.Array | None = param(axes=("kv_heads",))  # [K*H]
     v_bias: jax.Array | None = param(axes=("kv_heads",))  # [K*H]
     q_norm: jax.Array | None = param(axes=(None,))  # [H]: every head shares it
     k_norm: jax.Array | None = param(axes=(None,))  # [H]
+    # [N*H + 2*K*H, D_in]: q_proj, k_proj, v_proj rows stacked (None until fused)
+    qkv_proj: Weight | None = param(axes=("qkv", "embed"), linear=True, default=None)
+    qkv_rows: tuple[int, int, int] | None = struct.field(pytree_node=False, default=None)  # q, k, v row counts
 
 
 @struct.dataclass
 class MlpParams:
-    """The SwiGLU MLP's weights (`swiglu`)."""
+    """The SwiGLU MLP's weights (`swiglu`); after `fuse_projections` gate and up live in
+    `gate_up_proj` and gate_proj, up_proj are None."""
 
-    gate_proj: jax.Array = param(axes=("ffn", "embed"))  # [F, D]
-    up_proj: jax.Array = param(axes=("ffn", "embed"))  # [F, D]
-    down_proj: jax.Array = param(axes=("embed", "ffn"))  # [D, F]
+    gate_proj: Weight | None = param(axes=("ffn", "embed"), linear=True)  # [F, D]
+    up_proj: Weight | None = param(axes=("ffn", "embed"), linear=True)  # [F, D]
+    down_proj: Weight = param(axes=("embed", "ffn"), linear=True)  # [D, F]
+    gate_up_proj: Weight | None = param(axes=("ffn", "embed"), linear=True, default=None)  # [2F, D]: gate rows, then up
 
 
 @struct.dataclass
@@ -189,10 +196,49 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int) ->
 # ----------------------------------------------------------------------------------------------
 
 
-def project(w: jax.Array, h: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """[out, in] @ [in, B*T] -> [out, B*T], plus an optional bias [out]."""
-    out = w @ h
-    return out if bias is None else out + bias[:, None]
+def _qkv(weights: AttentionParams, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [N*H (or N*2H), B*T], k and v [K*H, B*T] (no bias): one product when fused, else three."""
+    if weights.qkv_proj is None:
+        return matmul(weights.q_proj, h), matmul(weights.k_proj, h), matmul(weights.v_proj, h)
+    q_rows, k_rows, _ = weights.qkv_rows
+    return tuple(jnp.split(matmul(weights.qkv_proj, h), [q_rows, q_rows + k_rows]))
+
+
+def fuse_projections(params: Any) -> Any:
+    """`params` (any tree holding AttentionParams / MlpParams) with q/k/v stacked into `qkv_proj`
+    and gate/up into `gate_up_proj`, in whatever format the weights are: fewer, larger products,
+    which on XLA CPU saves a per-call overhead that dominates products this small."""
+
+    def fuse(node: Any) -> Any:
+        if isinstance(node, AttentionParams) and node.qkv_proj is None:
+            parts = (node.q_proj, node.k_proj, node.v_proj)
+            return node.replace(qkv_proj=concat_rows(*parts), qkv_rows=tuple(w.shape[0] for w in parts),
+                                q_proj=None, k_proj=None, v_proj=None)
+        if isinstance(node, MlpParams) and node.gate_up_proj is None:
+            return node.replace(gate_up_proj=concat_rows(node.gate_proj, node.up_proj), gate_proj=None, up_proj=None)
+        return node
+
+    return jax.tree.map(fuse, params, is_leaf=_is_block)
+
+
+def unfuse_projections(params: Any) -> Any:
+    """The inverse of `fuse_projections`: q/k/v and gate/up as the checkpoint names them."""
+
+    def unfuse(node: Any) -> Any:
+        if isinstance(node, AttentionParams) and node.qkv_proj is not None:
+            q_rows, k_rows, _ = node.qkv_rows
+            q, k, v = split_rows(node.qkv_proj, (q_rows, q_rows + k_rows))
+            return node.replace(q_proj=q, k_proj=k, v_proj=v, qkv_proj=None, qkv_rows=None)
+        if isinstance(node, MlpParams) and node.gate_up_proj is not None:
+            gate, up = split_rows(node.gate_up_proj, (node.gate_up_proj.shape[0] // 2,))
+            return node.replace(gate_proj=gate, up_proj=up, gate_up_proj=None)
+        return node
+
+    return jax.tree.map(unfuse, params, is_leaf=_is_block)
+
+
+def _is_block(node: Any) -> bool:
+    return isinstance(node, AttentionParams | MlpParams)
 
 
 def self_attention(
@@ -211,14 +257,15 @@ def self_attention(
     Returns the output [D, B*T] and the buffers with the T new entries written at `offsets`.
     """
     N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-    q = project(weights.q_proj, h, weights.q_bias)
+    q, k, v = _qkv(weights, h)
+    if weights.q_bias is not None:
+        q, k, v = q + weights.q_bias[:, None], k + weights.k_bias[:, None], v + weights.v_bias[:, None]
     gate = None
     if output_gate:
         query_gate = q.reshape(N, 2, H, batch, steps)
         q, gate = query_gate[:, 0], query_gate[:, 1]  # [N, H, B, T] each
     q = q.reshape(N, H, batch, steps)
-    k = project(weights.k_proj, h, weights.k_bias).reshape(K, H, batch, steps)
-    v = project(weights.v_proj, h, weights.v_bias).reshape(K, H, batch, steps)
+    k, v = k.reshape(K, H, batch, steps), v.reshape(K, H, batch, steps)
     if qk_norm:
         q = rms_norm(q, weights.q_norm, cfg.norm_eps, axis=1)
         k = rms_norm(k, weights.k_norm, cfg.norm_eps, axis=1)
@@ -238,22 +285,25 @@ def self_attention(
     out = jnp.transpose(out, (2, 3, 4, 0, 1)).reshape(N * H, batch * steps)  # [N*H, B*T]
     if gate is not None:
         out = out * jax.nn.sigmoid(gate.reshape(N * H, batch * steps))  # per head dim
-    return weights.o_proj @ out, keys, values
+    return matmul(weights.o_proj, out), keys, values
 
 
 def swiglu(weights: MlpParams, x: jax.Array) -> jax.Array:
     """The gated MLP down(silu(gate(x)) * up(x)): x [D, B*T] (normed) -> [D, B*T]."""
-    gate, up = weights.gate_proj @ x, weights.up_proj @ x  # [F, B*T]
-    return weights.down_proj @ (jax.nn.silu(gate) * up)
+    if weights.gate_up_proj is not None:
+        gate, up = jnp.split(matmul(weights.gate_up_proj, x), 2)  # [F, B*T] each
+    else:
+        gate, up = matmul(weights.gate_proj, x), matmul(weights.up_proj, x)
+    return matmul(weights.down_proj, jax.nn.silu(gate) * up)
 
 
-def output_head(embed: jax.Array, lm_head: jax.Array | None) -> jax.Array:
+def output_head(embed: Weight, lm_head: Weight | None) -> Weight:
     """A trunk's output projection [V, D]: its own lm_head, or the token embedding [V, D] when
     the embeddings are tied (lm_head None)."""
     return embed if lm_head is None else lm_head
 
 
-def logits_head(head: jax.Array, h: jax.Array, batch: int, steps: int,
+def logits_head(head: Weight, h: jax.Array, batch: int, steps: int,
                 logit_indices: jax.Array | None = None) -> jax.Array:
     """Logits float32[B, P, V] from the final-normed stream h [D, B*T].
 
@@ -266,7 +316,7 @@ def logits_head(head: jax.Array, h: jax.Array, batch: int, steps: int,
     if logit_indices is not None:
         h = jnp.take_along_axis(h, logit_indices[None], axis=2)  # [D, B, P]
     positions_out = h.shape[2]
-    logits = (head @ h.reshape(dim, -1)).reshape(-1, batch, positions_out)  # [V, B, P]
+    logits = matmul(head, h.reshape(dim, -1)).reshape(-1, batch, positions_out)  # [V, B, P]
     return logits.transpose(1, 2, 0)
 
 

@@ -54,6 +54,7 @@ from jaxspec.models.layers import (
     rms_norm,
     rope_tables,
 )
+from jaxspec.models.quant import embedding_rows
 from jaxspec.models.params import LeafFn, param, trunk_params
 from jaxspec.pallas.flash_decode import Attention
 
@@ -62,10 +63,10 @@ from jaxspec.pallas.flash_decode import Attention
 class LlamaParams:
     """A Llama-family trunk's params."""
 
-    embed: jax.Array = param(axes=("vocab", "embed"))  # [V, D]
+    embed: jax.Array = param(axes=("vocab", "embed"), linear=True)  # [V, D]
     layers: tuple[LlamaLayer, ...]  # L layers, unrolled under jit (module docstring)
     final_norm: jax.Array = param(axes=("embed",))  # [D]
-    lm_head: jax.Array | None = param(axes=("vocab", "embed"))  # [V, D]; None when cfg.tie_embeddings
+    lm_head: jax.Array | None = param(axes=("vocab", "embed"), linear=True)  # [V, D]; None when cfg.tie_embeddings
 
 
 def layer_from(cfg: ModelConfig, leaf: Callable[[str], Any]) -> LlamaLayer:
@@ -155,7 +156,7 @@ def forward(
         positions = offsets[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(cfg, positions)
 
-    h = jnp.take(params.embed, tokens.reshape(-1), axis=0).T  # [D, B*T]
+    h = embedding_rows(params.embed, tokens.reshape(-1)).T  # [D, B*T]
     new_keys, new_values, hiddens = [], [], {-1: h}
     for index, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{index}"):

@@ -40,8 +40,9 @@ from jaxspec.config import ModelConfig
 from jaxspec.config import config_from_hf as trunk_config_from_hf
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models import llama
-from jaxspec.models.layers import LlamaLayer, decoder_layer, logits_head, rms_norm, rope_tables
+from jaxspec.models.layers import LlamaLayer, decoder_layer, logits_head, rms_norm, rope_tables, unfuse_projections
 from jaxspec.models.params import param
+from jaxspec.models.quant import Weight, embedding_rows, matmul, weight_leaves
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,7 +66,7 @@ class MtpParams:
 
     enorm: jax.Array = param(axes=("embed",))  # [D], on the token embedding
     hnorm: jax.Array = param(axes=("embed",))  # [D], on the target's hidden
-    eh_proj: jax.Array = param(axes=("embed", None))  # [D, 2D]
+    eh_proj: jax.Array = param(axes=("embed", None), linear=True)  # [D, 2D]
     post_norm: jax.Array = param(axes=("embed",))  # [D]
     block: LlamaLayer  # one layer of the target's kind
 
@@ -85,9 +86,10 @@ def params_from(cfg: MtpConfig, leaf: Callable[[str], Any]) -> MtpParams:
 
 
 def named_leaves(params: MtpParams, cfg: MtpConfig) -> dict[str, jax.Array]:
-    """The head's arrays by their flat names (the inverse of `params_from`)."""
+    """The head's weights by their flat names (the inverse of `params_from`; fused projections
+    split back, an int8 weight one leaf)."""
     names = jax.tree.leaves(params_from(cfg, lambda name: name))
-    return dict(zip(names, jax.tree.leaves(params), strict=True))
+    return dict(zip(names, weight_leaves(unfuse_projections(params)), strict=True))
 
 
 def init_params(cfg: MtpConfig, key: jax.Array, scale: float = 0.05) -> MtpParams:
@@ -115,8 +117,8 @@ def create_cache(cfg: MtpConfig, batch: int, capacity: int) -> KVCache:
 def forward(
     params: MtpParams,
     cfg: MtpConfig,
-    embed: jax.Array,
-    lm_head: jax.Array,
+    embed: Weight,
+    lm_head: Weight,
     tokens: jax.Array,
     h: jax.Array,
     cache: KVCache,
@@ -132,9 +134,9 @@ def forward(
     positions = cache.length[:, None] + 1 + jnp.arange(steps, dtype=jnp.int32)[None, :]  # token p + 1's position
     cos, sin = rope_tables(block_cfg, positions)
 
-    e = rms_norm(jnp.take(embed, tokens.reshape(-1), axis=0).T, params.enorm, block_cfg.norm_eps)
+    e = rms_norm(embedding_rows(embed, tokens.reshape(-1)).T, params.enorm, block_cfg.norm_eps)
     hidden = rms_norm(h.reshape(batch * steps, cfg.dim).T, params.hnorm, block_cfg.norm_eps)
-    projected = params.eh_proj @ jnp.concatenate([hidden, e] if cfg.hidden_first else [e, hidden], axis=0)
+    projected = matmul(params.eh_proj, jnp.concatenate([hidden, e] if cfg.hidden_first else [e, hidden], axis=0))
     y, keys, values = decoder_layer(params.block, block_cfg, projected, cos, sin, cache.keys[0], cache.values[0],
                                     cache.length, batch, steps, qk_norm=block_cfg.qk_norm)
     out = rms_norm(y, params.post_norm, block_cfg.norm_eps)  # [D, B*T]

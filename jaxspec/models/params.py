@@ -28,9 +28,17 @@ from flax import struct
 Axes = tuple[str | None, ...]
 
 
-def param(*, axes: Axes) -> Any:
-    """A params field holding one array (or None when absent), with its logical axes."""
-    return struct.field(metadata={"axes": tuple(axes)})
+def param(*, axes: Axes, linear: bool = False, default: Any = dataclasses.MISSING) -> Any:
+    """A params field holding one array (or None when absent), with its logical axes.
+
+    `linear`: a weight matrix [out, in] the forward multiplies through `quant.matmul` (or an
+    embedding table it gathers through `quant.embedding_rows`), so a weight format converts it
+    (jaxspec.models.quant); every other param stays float32.
+    """
+    metadata = {"axes": tuple(axes), "linear": linear}
+    if default is dataclasses.MISSING:
+        return struct.field(metadata=metadata)
+    return struct.field(metadata=metadata, default=default)
 
 
 def is_shape(leaf: Any) -> bool:

@@ -60,6 +60,7 @@ from jaxspec.models.layers import (
     self_attention,
     swiglu,
 )
+from jaxspec.models.quant import embedding_rows
 from jaxspec.models.params import LeafFn, is_shape, param, trunk_params
 from jaxspec.pallas.flash_decode import Attention
 
@@ -209,7 +210,7 @@ def forward(
         positions = offsets[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(cfg, positions)  # [R/2, B, T]
 
-    h = jnp.take(params.embed, tokens.reshape(-1), axis=0).T  # [D, B*T]
+    h = embedding_rows(params.embed, tokens.reshape(-1)).T  # [D, B*T]
     new_keys, new_values, hiddens = [], [], {-1: h}
     recorded: list[dict[str, jax.Array]] = []
     for index, (layer, kind) in enumerate(zip(params.layers, cfg.layer_types)):
@@ -272,10 +273,10 @@ class DeltaNetLayer:
 class Qwen35Params:
     """A Qwen3.5 hybrid trunk's params."""
 
-    embed: jax.Array = param(axes=("vocab", "embed"))  # [V, D]
+    embed: jax.Array = param(axes=("vocab", "embed"), linear=True)  # [V, D]
     layers: tuple[FullAttentionLayer | DeltaNetLayer, ...]  # by cfg.layer_types
     final_norm: jax.Array = param(axes=("embed",))  # [D]
-    lm_head: jax.Array | None = param(axes=("vocab", "embed"))  # [V, D]; None when cfg.tie_embeddings
+    lm_head: jax.Array | None = param(axes=("vocab", "embed"), linear=True)  # [V, D]; None when cfg.tie_embeddings
 
 
 _LAYER_TYPES = {LayerType.FULL_ATTENTION: FullAttentionLayer, LayerType.LINEAR_ATTENTION: DeltaNetLayer}

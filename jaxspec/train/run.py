@@ -36,7 +36,7 @@ import numpy as np
 from jaxspec import checkpoints
 from jaxspec.api import Model, SpecStats, generate, lm_head_of
 from jaxspec.errors import CheckpointError, InvalidRequestError
-from jaxspec.models import eagle3
+from jaxspec.models import eagle3, layers
 from jaxspec.train.config import Method, StepSpec, TrainConfig, optimizer
 from jaxspec.train.data import (
     Dataset,
@@ -224,7 +224,8 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     head_params = params
     if cfg.method is Method.EAGLE3:
         head_params = dataclasses.replace(params, d2t=jnp.asarray(vocab.d2t, jnp.int32))
-    head = Model(config=head_cfg, params=head_params, source=str(out_dir))
+    # As `jaxspec.load(out_dir)` gives it: q/k/v and gate/up fused.
+    head = Model(config=head_cfg, params=layers.fuse_projections(head_params), source=str(out_dir))
     head_path = None
     if done == cfg.steps:
         if cfg.method is Method.EAGLE3:

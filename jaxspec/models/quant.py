@@ -1,0 +1,252 @@
+"""Weight formats: float32, bfloat16 and int8 weights, and the one matmul that serves them all.
+
+Contract (DESIGN.md, "weight formats are data"): a weight matrix `[out, in]` is either a float
+array (float32, or bfloat16) or an `Int8Weight` (int8 values and one float32 scale per output
+row). Trunks and heads never branch on the format: every projection is `matmul(w, h)` and every
+embedding lookup is `embedding_rows(table, tokens)`. Which params a format converts is declared
+on the params types: the fields marked `param(..., linear=True)` (projections, LM heads,
+embedding tables). Norm weights, biases and recurrent-state params stay float32 in every format.
+
+The formats:
+- "f32": float32 weights, float32 products (the reference).
+- "bf16": bfloat16 weights; activations cast to bfloat16 at the product, accumulated in float32.
+  Half the bytes; the GPU default. XLA CPU has no fast bf16 product, so it is not the CPU default.
+- "int8": per-output-row symmetric int8 (scale = max|row| / 127). On CPU the product is W8A8:
+  activations are quantized per token (per column of the feature-major `[in, B*T]` stream: one
+  scale per token) and multiplied in int8 x int8 -> int32, then scaled back in float32. Integer
+  accumulation is exact, and every other step is per element or per token, so a token's output
+  does not depend on how many tokens share the product: a position's logits are the same in a
+  T = 2 step as inside a T = k+1 verify. On XLA CPU the int8 product streams its 4x smaller
+  weights at the float32 rate and costs nearly the same for 2..9 tokens, but a single column
+  takes a slow matrix-vector path, so one-column products are padded to two. On GPU the product
+  is W8A16 (jaxspec.pallas.int8_matmul): weights converted to bfloat16 on the way in.
+- "auto": f32 on CPU, bf16 on GPU and TPU (`WeightFormat.resolve`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxspec.errors import InvalidRequestError
+
+INT8_MAX = 127  # symmetric: codes in [-127, 127], so negation never overflows
+
+
+class WeightFormat(enum.Enum):
+    AUTO = "auto"
+    F32 = "f32"
+    BF16 = "bf16"
+    INT8 = "int8"
+
+    @classmethod
+    def parse(cls, name: "WeightFormat | str") -> "WeightFormat":
+        if isinstance(name, cls):
+            return name
+        try:
+            return cls(str(name).lower())
+        except ValueError:
+            valid = ", ".join(repr(f.value) for f in cls)
+            raise InvalidRequestError(f"unknown weight format {name!r}; expected one of {valid}") from None
+
+    def resolve(self, platform: str | None = None) -> "WeightFormat":
+        """The concrete format: AUTO is f32 on CPU and bf16 on accelerators."""
+        if self is not WeightFormat.AUTO:
+            return self
+        platform = platform or jax.default_backend()
+        return WeightFormat.F32 if platform == "cpu" else WeightFormat.BF16
+
+
+@struct.dataclass
+class Int8Weight:
+    """A weight matrix [O, I] as int8 codes and one float32 scale per output row (row o is
+    values[o] * scales[o]). An embedding table [V, D] is one too: a row per token."""
+
+    values: jax.Array  # int8[O, I]
+    scales: jax.Array  # float32[O]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+
+Weight = jax.Array | Int8Weight
+
+
+def quantize_rows(w: Any) -> Int8Weight:
+    """Per-output-row symmetric int8 of a float matrix [O, I] (numpy on the host, or a jax
+    array). An all-zero row gets scale 1 (its codes are 0 either way)."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    w = w.astype(xp.float32)
+    absmax = xp.max(xp.abs(w), axis=1)
+    scales = xp.where(absmax > 0, absmax / INT8_MAX, 1.0).astype(xp.float32)
+    values = xp.clip(xp.rint(w / scales[:, None]), -INT8_MAX, INT8_MAX).astype(xp.int8)
+    return Int8Weight(values=values, scales=scales)
+
+
+def dequantize(w: Weight) -> jax.Array:
+    """The float32 matrix a weight stands for."""
+    if isinstance(w, Int8Weight):
+        xp = np if isinstance(w.values, np.ndarray) else jnp
+        return w.values.astype(xp.float32) * w.scales[:, None]
+    return w.astype(jnp.float32) if not isinstance(w, np.ndarray) else w.astype(np.float32)
+
+
+def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token symmetric int8 of a feature-major activation [I, N]: codes int8[I, N] and one
+    float32 scale per column [N]. Each column is quantized on its own, so a token's codes do not
+    depend on the tokens beside it."""
+    absmax = jnp.max(jnp.abs(x), axis=0)  # [N]
+    scales = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
+    codes = jnp.clip(jnp.rint(x / scales[None, :]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return codes, scales
+
+
+def _w8a8(w: Int8Weight, x: jax.Array) -> jax.Array:
+    """int8 x int8 -> int32 over `in`, then the float epilogue: [O, I] x [I, N] -> float32[O, N]."""
+    columns = x.shape[1]
+    codes, token_scales = quantize_tokens(x.astype(jnp.float32))
+    if columns == 1:  # XLA CPU's one-column int8 product is a slow matrix-vector path (module doc)
+        codes = jnp.pad(codes, ((0, 0), (0, 1)))
+    exact = jax.lax.dot_general(w.values, codes, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.int32)[:, :columns]  # [O, N]
+    return exact.astype(jnp.float32) * w.scales[:, None] * token_scales[None, :]
+
+
+def matmul(w: Weight, x: jax.Array) -> jax.Array:
+    """w [O, I] @ x [I, N] -> float32 [O, N], in the weight's format (module docstring)."""
+    if isinstance(w, Int8Weight):
+        if jax.default_backend() == "cpu":
+            return _w8a8(w, x)
+        from jaxspec.pallas.int8_matmul import w8a16_matmul  # GPU/TPU only
+
+        return w8a16_matmul(w.values, w.scales, x)
+    if w.dtype == jnp.bfloat16:
+        return jax.lax.dot_general(w, x.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    return w @ x
+
+
+def embedding_rows(table: Weight, tokens: jax.Array) -> jax.Array:
+    """Rows of an embedding table [V, D] for int32 ids [M] -> float32 [M, D]; an int8 table
+    gathers int8 rows and scales them."""
+    if isinstance(table, Int8Weight):
+        rows = jnp.take(table.values, tokens, axis=0).astype(jnp.float32)  # [M, D]
+        return rows * jnp.take(table.scales, tokens)[:, None]
+    return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+
+
+def concat_rows(*weights: Weight) -> Weight:
+    """Weights [O_i, I] of one format stacked into [sum O_i, I] (numpy or jax arrays)."""
+    if isinstance(weights[0], Int8Weight):
+        return Int8Weight(values=concat_rows(*(w.values for w in weights)),
+                          scales=concat_rows(*(w.scales for w in weights)))
+    xp = np if all(isinstance(w, np.ndarray) for w in weights) else jnp
+    return xp.concatenate(weights, axis=0)
+
+
+def split_rows(weight: Weight, boundaries: tuple[int, ...]) -> list[Weight]:
+    """`concat_rows` undone: a weight's rows split at `boundaries`."""
+    if isinstance(weight, Int8Weight):
+        return [Int8Weight(values=values, scales=scales) for values, scales in
+                zip(split_rows(weight.values, boundaries), split_rows(weight.scales, boundaries), strict=True)]
+    xp = np if isinstance(weight, np.ndarray) else jnp
+    return xp.split(weight, boundaries, axis=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Converting params trees
+
+
+def weight_leaves(params: Any) -> list[Any]:
+    """A params tree's leaves with each Int8Weight kept whole (one leaf per param)."""
+    return jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, Int8Weight))
+# ----------------------------------------------------------------------------------------------
+
+
+def _convert_leaf(leaf: Any, fmt: WeightFormat) -> Any:
+    """One linear param (an array, a numpy array or an Int8Weight) in `fmt`."""
+    if leaf is None or format_of(leaf) is fmt:
+        return leaf
+    if fmt is WeightFormat.INT8:
+        return leaf if isinstance(leaf, Int8Weight) else quantize_rows(leaf)
+    values = dequantize(leaf)
+    if fmt is WeightFormat.BF16:
+        return values.astype(jnp.bfloat16)
+    return values
+
+
+def map_linear(tree: Any, fn: Any) -> Any:
+    """`tree` (params dataclasses, tuples of them) with `fn(leaf)` applied to every field marked
+    `param(..., linear=True)`; every other field kept as it is."""
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type) and not isinstance(tree, Int8Weight):
+        updates = {}
+        for field in dataclasses.fields(tree):
+            value = getattr(tree, field.name)
+            if field.metadata.get("linear"):
+                updates[field.name] = fn(value)
+            elif "axes" not in field.metadata:
+                updates[field.name] = map_linear(value, fn)
+        return dataclasses.replace(tree, **updates)
+    if isinstance(tree, tuple | list):
+        return type(tree)(map_linear(item, fn) for item in tree)
+    return tree
+
+
+def convert(params: Any, fmt: WeightFormat | str) -> Any:
+    """`params` with every linear weight in `fmt` (f32, bf16 or int8; AUTO resolved for this
+    platform). Works on host numpy trees (a loader's) and device trees alike."""
+    fmt = WeightFormat.parse(fmt).resolve()
+    return map_linear(params, lambda leaf: _convert_leaf(leaf, fmt))
+
+
+@struct.dataclass
+class _Single:
+    """One weight seen as a params tree (so `format_of` reads a weight and a tree alike)."""
+
+    weight: Any = struct.field(metadata={"axes": (), "linear": True})
+
+
+def format_of(params: Any) -> WeightFormat:
+    """The format of a params tree's linear weights (f32 for a tree with none)."""
+    formats = set()
+    if isinstance(params, Int8Weight) or hasattr(params, "dtype"):  # a single weight
+        params = _Single(params)
+
+    def note(leaf: Any) -> Any:
+        if isinstance(leaf, Int8Weight):
+            formats.add(WeightFormat.INT8)
+        elif leaf is not None:
+            formats.add(WeightFormat.BF16 if leaf.dtype == jnp.bfloat16 else WeightFormat.F32)
+        return leaf
+
+    map_linear(params, note)
+    if len(formats) > 1:
+        raise InvalidRequestError(f"params mix weight formats: {sorted(f.value for f in formats)}")
+    return formats.pop() if formats else WeightFormat.F32
+
+
+def shape_structs(shapes: Any, fmt: WeightFormat) -> Any:
+    """A params tree of shape tuples -> the `jax.ShapeDtypeStruct` tree of `fmt`'s arrays (what
+    a stored entry of that format holds): linear leaves as `fmt` stores them, the rest float32."""
+    from jaxspec.models.params import is_shape
+
+    fmt = fmt.resolve()
+
+    def linear(shape: tuple[int, ...] | None) -> Any:
+        if shape is None:
+            return None
+        if fmt is WeightFormat.INT8:
+            return Int8Weight(values=jax.ShapeDtypeStruct(shape, np.int8),
+                              scales=jax.ShapeDtypeStruct(shape[:1], np.float32))
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16 if fmt is WeightFormat.BF16 else np.float32)
+
+    marked = map_linear(shapes, linear)
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf, np.float32) if is_shape(leaf) else leaf, marked,
+                        is_leaf=lambda leaf: is_shape(leaf) or isinstance(leaf, jax.ShapeDtypeStruct))

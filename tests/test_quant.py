@@ -1,0 +1,184 @@
+"""Weight formats (jaxspec.models.quant): int8 codes and scales, the W8A8 product, bf16, the
+params-tree conversion and the fused projections, on tiny random models."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.cache import KVCache
+from jaxspec.errors import InvalidRequestError
+from jaxspec.models import eagle3, layers, llama, mtp, quant
+from jaxspec.models.quant import Int8Weight, WeightFormat
+from tests.conftest import TINY, max_relative_error
+
+RNG = np.random.default_rng(0)
+
+
+def test_quantize_rows_is_symmetric_per_row_and_within_half_a_step():
+    w = RNG.standard_normal((6, 40)).astype(np.float32)
+    w[2] = 0.0  # an all-zero row gets scale 1 and zero codes
+    q = quant.quantize_rows(w)
+    assert q.values.dtype == np.int8 and q.scales.shape == (6,)
+    assert np.abs(q.values).max() == 127 and q.scales[2] == 1.0 and not q.values[2].any()
+    np.testing.assert_allclose(np.abs(w).max(axis=1)[[0, 1, 3, 4, 5]], 127 * q.scales[[0, 1, 3, 4, 5]], rtol=1e-6)
+    error = np.abs(quant.dequantize(q) - w)
+    assert (error <= q.scales[:, None] / 2 * (1 + 1e-6)).all()
+    # The jax path agrees to XLA's division rounding (scales within an ulp, codes within one step).
+    on_device = quant.quantize_rows(jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(on_device.scales), q.scales, rtol=2e-7)
+    assert np.abs(np.asarray(on_device.values, np.int32) - q.values).max() <= 1
+
+
+class W8A8ProductTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_w8a8_product_is_the_exact_integer_product_scaled(self):
+        """int32 accumulation is exact: the result is (codes @ codes) * w_scale * x_scale, bitwise."""
+        w = quant.quantize_rows(RNG.standard_normal((24, 40)).astype(np.float32))
+        x = RNG.standard_normal((40, 5)).astype(np.float32)
+        got = np.asarray(self.variant(quant.matmul)(jax.tree.map(jnp.asarray, w), jnp.asarray(x)))
+        codes, token_scales = (np.asarray(a) for a in quant.quantize_tokens(jnp.asarray(x)))
+        exact = w.values.astype(np.int64) @ codes.astype(np.int64)
+        np.testing.assert_array_equal(got, exact.astype(np.float32) * w.scales[:, None] * token_scales[None, :])
+        # and it is a faithful product: within int8 rounding of the float one
+        assert max_relative_error(got, quant.dequantize(w) @ x) < 2e-2
+
+
+def test_each_token_s_product_is_independent_of_its_neighbours():
+    """A column's result is bitwise the same alone (padded to two columns), in a pair, or in nine."""
+    w = jax.tree.map(jnp.asarray, quant.quantize_rows(RNG.standard_normal((48, 64)).astype(np.float32)))
+    x = jnp.asarray(RNG.standard_normal((64, 9)).astype(np.float32))
+    product = jax.jit(quant.matmul)
+    nine = np.asarray(product(w, x))
+    np.testing.assert_array_equal(np.asarray(product(w, x[:, :1])), nine[:, :1])
+    np.testing.assert_array_equal(np.asarray(product(w, x[:, 3:5])), nine[:, 3:5])
+
+
+def test_bf16_product_rounds_operands_and_accumulates_in_float32():
+    w = RNG.standard_normal((32, 64)).astype(np.float32)
+    x = RNG.standard_normal((64, 3)).astype(np.float32)
+    got = np.asarray(quant.matmul(jnp.asarray(w, jnp.bfloat16), jnp.asarray(x)))
+    assert got.dtype == np.float32
+    rounded = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float64) @ np.asarray(jnp.asarray(x, jnp.bfloat16),
+                                                                               np.float64)
+    np.testing.assert_allclose(got, rounded, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_embedding_gathers_scaled_rows():
+    table = quant.quantize_rows(RNG.standard_normal((20, 8)).astype(np.float32))
+    tokens = jnp.asarray([3, 0, 19, 3])
+    got = quant.embedding_rows(jax.tree.map(jnp.asarray, table), tokens)
+    np.testing.assert_array_equal(np.asarray(got), quant.dequantize(table)[np.asarray(tokens)])
+
+
+def test_convert_touches_linear_weights_only_and_shape_structs_match():
+    params = llama.init_params(TINY, jax.random.PRNGKey(0))
+    for fmt, dtype in [(WeightFormat.INT8, np.int8), (WeightFormat.BF16, jnp.bfloat16), (WeightFormat.F32, np.float32)]:
+        converted = quant.convert(params, fmt)
+        assert quant.format_of(converted) is fmt
+        layer = converted.layers[0]
+        linear = layer.attention.q_proj.values if fmt is WeightFormat.INT8 else layer.attention.q_proj
+        assert linear.dtype == dtype and layer.attn_norm.dtype == np.float32
+        structs = quant.shape_structs(llama.param_shapes(TINY), fmt)
+        assert jax.tree.structure(structs) == jax.tree.structure(converted)
+        for want, got in zip(jax.tree.leaves(structs), jax.tree.leaves(converted), strict=True):
+            assert (want.shape, want.dtype) == (got.shape, got.dtype)
+
+
+def test_unknown_weight_format_is_refused_by_name():
+    with pytest.raises(InvalidRequestError, match=r"unknown weight format 'int4'.*'f32', 'bf16', 'int8'"):
+        WeightFormat.parse("int4")
+    with pytest.raises(InvalidRequestError, match="unknown weight format"):
+        jaxspec.load("smollm2-135m", weight_format="fp8")
+
+
+def test_auto_is_f32_on_cpu_and_bf16_on_gpu():
+    assert WeightFormat.AUTO.resolve("cpu") is WeightFormat.F32
+    assert WeightFormat.AUTO.resolve("gpu") is WeightFormat.BF16
+    assert WeightFormat.INT8.resolve("gpu") is WeightFormat.INT8
+
+
+@pytest.mark.parametrize("fmt", ["f32", "int8"])
+def test_fused_projections_compute_what_separate_ones_do(fmt):
+    """One q/k/v and one gate/up product per layer: the same logits (int8: bitwise, since its
+    rows and tokens are quantized alike either way), and unfuse gives back the checkpoint's."""
+    separate = quant.convert(llama.init_params(TINY, jax.random.PRNGKey(0), scale=0.2), fmt)
+    fused = layers.fuse_projections(separate)
+    assert fused.layers[0].attention.q_proj is None and fused.layers[0].mlp.gate_up_proj is not None
+    tokens = jnp.asarray([[1, 5, 9, 2, 7]])
+    run = jax.jit(lambda p: llama.forward(p, TINY, tokens, KVCache.create(TINY, 1, 16))[0])
+    if fmt == "int8":
+        np.testing.assert_array_equal(np.asarray(run(fused)), np.asarray(run(separate)))
+    else:
+        assert max_relative_error(run(fused), run(separate)) < 1e-5
+    chex.assert_trees_all_equal(layers.unfuse_projections(fused), separate)
+
+
+def test_int8_logits_are_bitwise_the_same_in_a_step_and_inside_a_verify():
+    """A position's logits under int8 weights do not depend on how many tokens the forward
+    carries: one token (padded to two columns), two, or a k+1 = 5 token verify."""
+    model = jaxspec.convert_weights(jaxspec.Model(config=TINY, params=llama.init_params(TINY, jax.random.PRNGKey(0),
+                                                                                       scale=0.2)), "int8")
+    prompt = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 12]])
+    step = jax.jit(lambda p, tokens, cache: llama.forward(p, TINY, tokens, cache)[0])
+    _, _, cache = jax.jit(lambda p: llama.forward(p, TINY, prompt, KVCache.create(TINY, 1, 32)))(model.params)
+    cache = cache.advance(jnp.asarray([8]))
+    verify = np.asarray(step(model.params, jnp.asarray([[40, 41, 42, 43, 44]]), cache))  # [1, 5, V]
+    pair = np.asarray(step(model.params, jnp.asarray([[40, 41]]), cache))
+    single = np.asarray(step(model.params, jnp.asarray([[40]]), cache))
+    np.testing.assert_array_equal(pair, verify[:, :2])
+    np.testing.assert_array_equal(single, verify[:, :1])
+
+
+def test_a_draft_loaded_in_auto_runs_in_its_target_s_format(tiny_model):
+    target = jaxspec.convert_weights(tiny_model, "int8")
+    draft_cfg = dataclasses.replace(TINY, num_layers=1)
+    draft = jaxspec.Model(config=draft_cfg, params=llama.init_params(draft_cfg, jax.random.PRNGKey(7), scale=0.2))
+    prepared = jaxspec.prepare(target, [1, 2, 3], draft, max_new_tokens=4)
+    assert quant.format_of(prepared.speculation.draft.params) is WeightFormat.INT8
+    explicit = jaxspec.convert_weights(draft, "f32")  # a format asked for is kept
+    prepared = jaxspec.prepare(target, [1, 2, 3], explicit, max_new_tokens=4)
+    assert quant.format_of(prepared.speculation.draft.params) is WeightFormat.F32
+
+
+@pytest.fixture(scope="module")
+def int8_target(tiny_model):
+    return jaxspec.convert_weights(tiny_model, "int8")
+
+
+def _drafts(method: str) -> dict:
+    """generate's draft arguments for `method`, each draft random, in AUTO (so it follows the target)."""
+    if method == "draft":
+        cfg = dataclasses.replace(TINY, num_layers=1, dim=32, num_heads=2, num_kv_heads=1, ffn_dim=48)
+        return dict(draft_params=jaxspec.Model(config=cfg, params=llama.init_params(cfg, jax.random.PRNGKey(7),
+                                                                                     scale=0.2)))
+    if method == "eagle3":
+        cfg = eagle3.Eagle3Config(dim=TINY.dim, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64,
+                                  draft_vocab_size=TINY.vocab_size, vocab_size=TINY.vocab_size, rope_theta=10000.0,
+                                  rotary_dim=16, norm_eps=1e-5, max_position_embeddings=256, aux_layer_ids=(0, 0, 1))
+        return dict(draft_params=jaxspec.Model(config=cfg, params=eagle3.init_params(cfg, jax.random.PRNGKey(2),
+                                                                                      scale=0.2)))
+    if method == "mtp":
+        cfg = mtp.MtpConfig(block=TINY)
+        return dict(draft_params=jaxspec.Model(config=cfg, params=mtp.init_params(cfg, jax.random.PRNGKey(3))))
+    if method == "layer_skip":
+        return dict(method="layer_skip", exit_layer=1)
+    return dict(method="ngram")
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42, 40, 41, 42], [9, 8, 7, 6, 5, 4, 30, 31, 9, 8, 7]]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "layer_skip", "eagle3", "mtp"])
+def test_int8_speculation_equals_int8_plain_greedy_on_a_ragged_batch(int8_target, method):
+    plain = jaxspec.generate(int8_target, None, PROMPTS, max_new_tokens=20, ignore_eos=True)
+    spec = jaxspec.generate(int8_target, prompt=PROMPTS, max_new_tokens=20, ignore_eos=True, num_draft_tokens=3,
+                            **_drafts(method))
+    assert spec.tokens == plain.tokens
+    assert spec.stats.method == method and spec.stats.proposed > 0
