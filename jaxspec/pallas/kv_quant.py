@@ -194,14 +194,15 @@ def _dequantize_blocks(x: Q8_0 | Q5_1) -> jax.Array:
 
 # --- kernel ------------------------------------------------------------------------------------
 
-def check_backend(interpret: bool, what: str) -> None:
-    """Native Pallas here means Triton on a GPU; anything else must run in the interpreter."""
+def check_backend(interpret: bool, what: str, switch: str = "attention") -> None:
+    """Native Pallas here means Triton on a GPU; anything else must run in the interpreter.
+    `switch` names the option that picks the reference instead (for the error message)."""
     backend = jax.default_backend()
     if not interpret and backend != "gpu":
         raise InvalidRequestError(
             f"{what}: the Pallas kernel compiles for GPU (Triton) only and the JAX backend is "
             f"{backend!r}; pass interpret=True to run it in the Pallas interpreter (tests), or use "
-            f"the jnp reference (attention='reference' or 'auto')")
+            f"the XLA reference ({switch}='reference' or 'auto')")
 
 
 def unpack_block_codes(packed: jax.Array, high_bits: jax.Array) -> jax.Array:
