@@ -33,7 +33,6 @@ The formats:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from typing import Any
 
@@ -42,27 +41,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.errors import InvalidRequestError
+from jaxspec.errors import Choice, InvalidRequestError
 
 INT8_MAX = 127  # symmetric: codes in [-127, 127], so negation never overflows
 ROTATION_BLOCK = 64  # the Hadamard block along an int8 weight's input axis (module docstring)
 
 
-class WeightFormat(enum.Enum):
+class WeightFormat(Choice):
     AUTO = "auto"
     F32 = "f32"
     BF16 = "bf16"
     INT8 = "int8"
 
     @classmethod
-    def parse(cls, name: "WeightFormat | str") -> "WeightFormat":
-        if isinstance(name, cls):
-            return name
-        try:
-            return cls(str(name).lower())
-        except ValueError:
-            valid = ", ".join(repr(f.value) for f in cls)
-            raise InvalidRequestError(f"unknown weight format {name!r}; expected one of {valid}") from None
+    def label(cls) -> str:
+        return "weight format"
 
     def resolve(self, platform: str | None = None) -> "WeightFormat":
         """The concrete format: AUTO is f32 on CPU and bf16 on accelerators."""

@@ -17,14 +17,13 @@ built for (`kernel_supports`) and the reference otherwise (interpret mode is for
 
 from __future__ import annotations
 
-import enum
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.errors import InvalidRequestError, UnsupportedModelError
+from jaxspec.errors import Choice, InvalidRequestError, UnsupportedModelError
 from jaxspec.pallas.kv_quant import check_backend
 
 _TRITON_MIN_BLOCK = 16  # Triton's dot needs every tile dimension >= 16
@@ -41,21 +40,15 @@ MAX_KERNEL_TOKENS = 64
 BLOCK_O, BLOCK_I, BLOCK_N = 64, 128, 64
 
 
-class Implementation(enum.Enum):
+class Implementation(Choice):
     AUTO = "auto"  # the kernel on GPU for supported shapes, the XLA reference otherwise
     REFERENCE = "reference"  # w8a16_matmul_reference (XLA)
     PALLAS = "pallas"  # the Pallas kernel, compiled natively (GPU)
     INTERPRET = "interpret"  # the Pallas kernel in the Pallas interpreter (tests on CPU)
 
     @classmethod
-    def parse(cls, name: "Implementation | str") -> "Implementation":
-        if isinstance(name, Implementation):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            raise InvalidRequestError(
-                f"unknown matmul implementation {name!r}; choose from {[i.value for i in cls]}") from None
+    def label(cls) -> str:
+        return "matmul implementation"
 
 
 def _check_inputs(values, scales, x) -> tuple[int, int, int]:

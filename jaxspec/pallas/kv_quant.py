@@ -23,7 +23,6 @@ Quantization follows ggml's reference rounding (`quantize_row_q8_0_ref`,
 
 from __future__ import annotations
 
-import enum
 import functools
 
 import jax
@@ -32,12 +31,12 @@ import numpy as np
 from flax import struct
 from jax.experimental import pallas as pl
 
-from jaxspec.errors import InvalidRequestError, UnsupportedModelError
+from jaxspec.errors import Choice, InvalidRequestError, UnsupportedModelError
 
 BLOCK = 32  # values per quantization block (ggml's QK8_0 = QK5_1 = 32)
 
 
-class Format(enum.Enum):
+class Format(Choice):
     """How one of K or V is stored."""
 
     F32 = "f32"
@@ -46,14 +45,8 @@ class Format(enum.Enum):
     Q5_1 = "q5_1"
 
     @classmethod
-    def parse(cls, name: "Format | str") -> "Format":
-        if isinstance(name, Format):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            raise InvalidRequestError(
-                f"unknown KV format {name!r}; choose from {[f.value for f in cls]}") from None
+    def label(cls) -> str:
+        return "KV format"
 
     @property
     def is_block(self) -> bool:
