@@ -14,9 +14,9 @@ import pytest
 import jaxspec
 from jaxspec.cache import KVCache
 from jaxspec.errors import InvalidRequestError
-from jaxspec.models import eagle3, layers, llama, mtp, quant
+from jaxspec.models import eagle3, layers, llama, mtp, quant, qwen35
 from jaxspec.models.quant import Int8Weight, WeightFormat
-from tests.conftest import TINY, max_relative_error
+from tests.conftest import HYBRID_CONFIG, TINY, max_relative_error
 
 RNG = np.random.default_rng(0)
 
@@ -110,7 +110,8 @@ def test_convert_touches_linear_weights_only_and_shape_structs_match():
 
 
 def test_unknown_weight_format_is_refused_by_name():
-    with pytest.raises(InvalidRequestError, match=r"unknown weight format 'int4'; choose from \['auto', 'f32', 'bf16', 'int8'\]"):
+    choices = r"\['auto', 'f32', 'bf16', 'int8'\]"
+    with pytest.raises(InvalidRequestError, match=rf"unknown weight format 'int4'; choose from {choices}"):
         WeightFormat.parse("int4")
     with pytest.raises(InvalidRequestError, match="unknown weight format"):
         jaxspec.load("smollm2-135m", weight_format="fp8")
@@ -200,3 +201,18 @@ def test_int8_speculation_equals_int8_plain_greedy_on_a_ragged_batch(int8_target
                             **_drafts(method))
     assert spec.tokens == plain.tokens
     assert spec.stats.method == method and spec.stats.proposed > 0
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_the_hybrid_family_runs_every_format_close_to_f32(fmt):
+    """Qwen3.5's linear layers (DeltaNet projections included) take the format; its conv and
+    decay params stay float32; logits stay near float32's and prompt lookup stays exact."""
+    model = jaxspec.Model(config=HYBRID_CONFIG, params=qwen35.init_params(HYBRID_CONFIG, jax.random.PRNGKey(1)))
+    converted = jaxspec.convert_weights(model, fmt)
+    assert converted.params.layers[0].delta_net.conv_weight.dtype == np.float32
+    ids = [[3, 7, 9, 11, 3, 7, 9, 11, 3, 7]]
+    reference, ours = (jaxspec.score(m, ids).logprobs[0] for m in (model, converted))
+    np.testing.assert_allclose(ours, reference, atol=0.05)
+    plain = jaxspec.generate(converted, None, ids, max_new_tokens=12, ignore_eos=True)
+    spec = jaxspec.generate(converted, None, ids, max_new_tokens=12, ignore_eos=True, method="ngram")
+    assert spec.tokens == plain.tokens

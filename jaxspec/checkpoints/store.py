@@ -8,8 +8,9 @@ HF safetensors are not cached: they are already float, read about as fast as an 
 and a float32 copy would double (for bf16: triple) their disk footprint.
 
 A converted directory (`jaxspec convert`) is self-contained: `jaxspec.json` (format version,
-family, config, weight format, source), `params/` (orbax, in that weight format), and the tokenizer (the HF tokenizer files, or
-`gguf_tokenizer.json` holding a GGUF's `tokenizer.*` metadata). Cache entries and converted
+family, config, weight format, source), `params/` (orbax, in that weight format), and the
+tokenizer (the HF tokenizer files, or `gguf_tokenizer.json` holding a GGUF's `tokenizer.*`
+metadata). Cache entries and converted
 directories are written to a temp sibling and renamed, so neither is ever half there.
 """
 
