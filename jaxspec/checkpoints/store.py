@@ -47,13 +47,14 @@ logger = logging.getLogger(__name__)
 
 GGUF_TOKENIZER_FILE = "gguf_tokenizer.json"
 PARAMS_DIR = "params"
-# Version 3: params stored as the families' typed trees (layers.0.attention.q_proj, ...), with
-# the fused-projection fields (empty) and a weight format; an older directory is refused by
-# name rather than misread.
-FORMAT_VERSION = 3
-# Bump when GGUF -> params conversion or the stored tree changes, so stale cache entries are
-# never reused (v2: the typed params trees; v3: fused-projection fields, weight formats).
-CACHE_VERSION = 3
+# Version 4: params stored as the families' typed trees (layers.0.attention.q_proj, ...), with
+# the fused-projection fields (empty) and a weight format, int8 codes in the Hadamard-rotated
+# basis (jaxspec.models.quant); an older directory is refused by name rather than misread.
+FORMAT_VERSION = 4
+# Bump when GGUF -> params conversion, a weight format's encoding or the stored tree changes, so
+# stale cache entries are never reused (v2: the typed params trees; v3: fused-projection fields,
+# weight formats; v4: int8 codes rotated).
+CACHE_VERSION = 4
 # Tokenizer material an HF directory may carry; a converted directory copies whichever exist.
 HF_TOKENIZER_FILES = (
     "tokenizer.json",

@@ -67,8 +67,9 @@ class WeightFormat(Choice):
 
 @struct.dataclass
 class Int8Weight:
-    """A weight matrix [O, I] as int8 codes and one float32 scale per output row (row o is
-    values[o] * scales[o]). An embedding table [V, D] is one too: a row per token."""
+    """A weight matrix [O, I] as int8 codes and one float32 scale per output row, in the basis
+    rotated along I: row o is hadamard(values[o] * scales[o]) (`dequantize`). An embedding table
+    [V, D] is one too: a row per token."""
 
     values: jax.Array  # int8[O, I]
     scales: jax.Array  # float32[O]
@@ -121,9 +122,8 @@ def quantize_rows(w: Any) -> Int8Weight:
 def dequantize(w: Weight) -> jax.Array:
     """The float32 matrix a weight stands for."""
     if isinstance(w, Int8Weight):
-        xp = np if isinstance(w.values, np.ndarray) else jnp
-        return hadamard(w.values.astype(xp.float32) * w.scales[:, None], axis=1)
-    return w.astype(jnp.float32) if not isinstance(w, np.ndarray) else w.astype(np.float32)
+        return hadamard(w.values.astype(np.float32) * w.scales[:, None], axis=1)
+    return w.astype(np.float32)
 
 
 def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -190,17 +190,17 @@ def split_rows(weight: Weight, boundaries: tuple[int, ...]) -> list[Weight]:
 
 # ----------------------------------------------------------------------------------------------
 # Converting params trees
+# ----------------------------------------------------------------------------------------------
 
 
 def weight_leaves(params: Any) -> list[Any]:
     """A params tree's leaves with each Int8Weight kept whole (one leaf per param)."""
     return jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, Int8Weight))
-# ----------------------------------------------------------------------------------------------
 
 
 def _convert_leaf(leaf: Any, fmt: WeightFormat) -> Any:
     """One linear param (an array, a numpy array or an Int8Weight) in `fmt`."""
-    if leaf is None or format_of(leaf) is fmt:
+    if leaf is None or weight_format(leaf) is fmt:
         return leaf
     if fmt is WeightFormat.INT8:
         return leaf if isinstance(leaf, Int8Weight) else quantize_rows(leaf)
@@ -234,24 +234,20 @@ def convert(params: Any, fmt: WeightFormat | str) -> Any:
     return map_linear(params, lambda leaf: _convert_leaf(leaf, fmt))
 
 
-@struct.dataclass
-class _Single:
-    """One weight seen as a params tree (so `format_of` reads a weight and a tree alike)."""
-
-    weight: Any = struct.field(metadata={"axes": (), "linear": True})
+def weight_format(weight: Weight) -> WeightFormat:
+    """The format one weight is in."""
+    if isinstance(weight, Int8Weight):
+        return WeightFormat.INT8
+    return WeightFormat.BF16 if weight.dtype == jnp.bfloat16 else WeightFormat.F32
 
 
 def format_of(params: Any) -> WeightFormat:
     """The format of a params tree's linear weights (f32 for a tree with none)."""
     formats = set()
-    if isinstance(params, Int8Weight) or hasattr(params, "dtype"):  # a single weight
-        params = _Single(params)
 
     def note(leaf: Any) -> Any:
-        if isinstance(leaf, Int8Weight):
-            formats.add(WeightFormat.INT8)
-        elif leaf is not None:
-            formats.add(WeightFormat.BF16 if leaf.dtype == jnp.bfloat16 else WeightFormat.F32)
+        if leaf is not None:
+            formats.add(weight_format(leaf))
         return leaf
 
     map_linear(params, note)
