@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import checkpoints, compilation
+from jaxspec.config import ModelConfig
 from jaxspec.errors import InvalidRequestError, is_integer
 from jaxspec.model import Model, layer_skip, lm_head_of, with_weight_format
 from jaxspec.models import quant
@@ -262,7 +263,11 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
     # Decode attention reads all S slots every step, so S is the prompt bucket plus a bucket of
     # the new tokens plus k, not a power of two of the sum (1024 + 132 would become 2048).
-    capacity = min(prompt_bucket + _bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET) + k, cfg.max_position_embeddings)
+    # A round writes k + 1 slots, padded to the weights' token lanes (LoopSpec.round_width).
+    lanes = quant.token_lanes(model.params) if isinstance(cfg, ModelConfig) else 1
+    round_width = -(-(k + 1) // lanes) * lanes
+    capacity = min(prompt_bucket + _bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET) + round_width - 1,
+                   cfg.max_position_embeddings)
     padded = np.zeros((batch, prompt_bucket), np.int32)
     for i, r in enumerate(rows):
         padded[i, : len(r)] = r
@@ -282,6 +287,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
         proposer=speculation.proposer,
         kv_format=options.kv_format,
         attention=options.attention.value,
+        token_lanes=lanes,
     )
     return Prepared(rows=rows, request=request, spec=spec, speculation=speculation, options=options)
 

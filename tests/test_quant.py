@@ -16,7 +16,7 @@ from jaxspec.cache import KVCache
 from jaxspec.errors import InvalidRequestError
 from jaxspec.models import eagle3, layers, llama, mtp, quant, qwen35
 from jaxspec.models.quant import Int8Weight, WeightFormat
-from tests.conftest import HYBRID_CONFIG, TINY, max_relative_error
+from tests.conftest import HYBRID_CONFIG, TINY, max_relative_error, requires_default_model
 
 RNG = np.random.default_rng(0)
 
@@ -139,20 +139,46 @@ def test_fused_projections_compute_what_separate_ones_do(fmt):
     chex.assert_trees_all_equal(layers.unfuse_projections(fused), separate)
 
 
+def _step_and_verify_logits(model, prompt, continuation):
+    """Logits of `continuation`'s positions after `prompt`, from forwards of 1, 2, 5 and all of its
+    tokens, each padded to TOKEN_LANES tokens as the decode loop pads them."""
+    cfg = model.config
+    lanes = quant.TOKEN_LANES
+    _, _, cache = jax.jit(lambda p: llama.forward(p, cfg, jnp.asarray([prompt]),
+                                                  KVCache.create(cfg, 1, len(prompt) + 2 * lanes)))(model.params)
+    cache = cache.advance(jnp.asarray([len(prompt)]))
+    step = jax.jit(lambda p, tokens, c: llama.forward(p, cfg, jnp.pad(tokens, ((0, 0), (0, lanes - tokens.shape[1]))),
+                                                      c)[0][:, :tokens.shape[1]])
+    return {t: np.asarray(step(model.params, jnp.asarray([continuation[:t]]), cache)) for t in (1, 2, 5, len(continuation))}
+
+
 def test_int8_logits_are_bitwise_the_same_in_a_step_and_inside_a_verify():
     """A position's logits under int8 weights do not depend on how many tokens the forward
-    carries: one token (padded to two columns), two, or a k+1 = 5 token verify."""
+    carries (one, two, or a k+1 = 8 token verify), once padded to TOKEN_LANES as the loop does."""
     model = jaxspec.convert_weights(jaxspec.Model(config=TINY, params=llama.init_params(TINY, jax.random.PRNGKey(0),
                                                                                        scale=0.2)), "int8")
-    prompt = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 12]])
-    step = jax.jit(lambda p, tokens, cache: llama.forward(p, TINY, tokens, cache)[0])
-    _, _, cache = jax.jit(lambda p: llama.forward(p, TINY, prompt, KVCache.create(TINY, 1, 32)))(model.params)
-    cache = cache.advance(jnp.asarray([8]))
-    verify = np.asarray(step(model.params, jnp.asarray([[40, 41, 42, 43, 44]]), cache))  # [1, 5, V]
-    pair = np.asarray(step(model.params, jnp.asarray([[40, 41]]), cache))
-    single = np.asarray(step(model.params, jnp.asarray([[40]]), cache))
-    np.testing.assert_array_equal(pair, verify[:, :2])
-    np.testing.assert_array_equal(single, verify[:, :1])
+    logits = _step_and_verify_logits(model, [5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47])
+    for t in (1, 2, 5):
+        np.testing.assert_array_equal(logits[t], logits[8][:, :t])
+
+
+@requires_default_model
+@pytest.mark.real_model
+def test_int8_on_the_default_model_is_bitwise_across_widths_and_speculation_is_exact():
+    """The default model under int8: padded to TOKEN_LANES (without it an ulp of float work flips
+    an int8 rounding and logits move by up to 1.0), a step and a verify agree bitwise, and
+    speculative greedy output equals plain greedy."""
+    model = jaxspec.load(weight_format="int8")
+    prompt = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)
+    logits = _step_and_verify_logits(model, prompt, [791, 4189, 10936, 28, 549, 1010, 622, 253])
+    for t in (1, 2, 5):
+        np.testing.assert_array_equal(logits[t], logits[8][:, :t])
+    question = "Summarise in two sentences: the fox jumped over the dog, then the dog chased the fox home."
+    plain = jaxspec.generate(model, None, question, chat=True, max_new_tokens=48, ignore_eos=True)
+    for draft, options in ((None, dict(method="ngram")), (jaxspec.load("eagle3-smollm2-135m"), {})):
+        spec = jaxspec.generate(model, draft, question, chat=True, max_new_tokens=48, ignore_eos=True,
+                                num_draft_tokens=3, **options)
+        assert spec.tokens == plain.tokens
 
 
 def test_a_draft_loaded_in_auto_runs_in_its_target_s_format(tiny_model):

@@ -44,6 +44,14 @@ from flax import struct
 from jaxspec.errors import Choice, InvalidRequestError
 
 INT8_MAX = 127  # symmetric: codes in [-127, 127], so negation never overflows
+# XLA CPU vectorizes elementwise work and reductions across the token axis (the minor one in the
+# feature-major stream) 8 float32 lanes at a time, and a token past the last full vector takes a
+# scalar path whose rounding can differ by an ulp (FMA contraction, transcendentals, summation
+# order). Under float32 weights that is a 1e-5 wobble; under int8 activations an ulp can flip a
+# rounding and the flip grows through the layers (logits moved by up to 1.0 between a step and a
+# verify on the default model). So decode forwards with int8 or bf16 weights run a multiple of 8
+# tokens per row: every token then takes the vector path, in a step as in a verify.
+TOKEN_LANES = 8
 ROTATION_BLOCK = 64  # the Hadamard block along an int8 weight's input axis (module docstring)
 
 
@@ -239,6 +247,12 @@ def weight_format(weight: Weight) -> WeightFormat:
     if isinstance(weight, Int8Weight):
         return WeightFormat.INT8
     return WeightFormat.BF16 if weight.dtype == jnp.bfloat16 else WeightFormat.F32
+
+
+def token_lanes(params: Any) -> int:
+    """How many tokens a decode forward over `params` is padded to a multiple of (TOKEN_LANES for
+    int8 and bf16 weights, whose rounding amplifies an ulp; 1 for float32)."""
+    return 1 if format_of(params) is WeightFormat.F32 else TOKEN_LANES
 
 
 def format_of(params: Any) -> WeightFormat:

@@ -47,6 +47,10 @@ class LoopSpec:
     proposer: Proposer | None = None  # None: plain decoding
     kv_format: KVFormat | None = None  # the target's K/V storage; None: the trunk's default (float32)
     attention: str = "auto"  # jaxspec.pallas.Attention: "auto" | "reference" | "pallas" | "interpret"
+    # Decode forwards run a multiple of this many tokens per row (jaxspec.models.quant.token_lanes):
+    # 1 for float32 weights; under int8 / bf16 every token then takes the same code path in a
+    # step and in a verify, so its logits are bitwise the same in both.
+    token_lanes: int = 1
 
     @property
     def cache_options(self) -> dict:  # for models.create_cache: nothing unless asked (other trunks)
@@ -59,6 +63,10 @@ class LoopSpec:
     @property
     def num_draft(self) -> int:  # k
         return 0 if self.proposer is None else self.proposer.num_draft
+
+    @property
+    def round_width(self) -> int:  # cache slots a round writes: k + 1, padded to token_lanes
+        return -(-(self.num_draft + 1) // self.token_lanes) * self.token_lanes
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:  # what the proposer reads from each target forward
@@ -182,8 +190,8 @@ def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
 
 
 def _check_capacity(state: DecodeState, spec: LoopSpec) -> DecodeState:
-    """A row whose next round (k+1 cache slots) would not fit is done ("capacity")."""
-    full = state.running & (state.cache.length + spec.num_draft + 1 > spec.capacity)
+    """A row whose next round (`round_width` cache slots) would not fit is done ("capacity")."""
+    full = state.running & (state.cache.length + spec.round_width > spec.capacity)
     return state.replace(finish_reason=jnp.where(full, FINISH_CAPACITY, state.finish_reason))
 
 
@@ -254,8 +262,14 @@ def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, drafts
     """
     batch, width = drafts.shape
     verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, w+1]
-    logits, hiddens, cache = models.forward(params, spec.cfg, verify_tokens, state.cache,
-                                            hidden_layers=spec.hidden_layers, **spec.forward_options)
+    lanes = spec.token_lanes
+    padded = -(-(width + 1) // lanes) * lanes  # filler tokens after the real ones (LoopSpec.token_lanes)
+    # their K/V land past every row's length, where the next round overwrites them
+    logits, hiddens, cache = models.forward(
+        params, spec.cfg, jnp.pad(verify_tokens, ((0, 0), (0, padded - width - 1))), state.cache,
+        logit_indices=jnp.broadcast_to(jnp.arange(width + 1, dtype=jnp.int32), (batch, width + 1)),
+        hidden_layers=spec.hidden_layers, **spec.forward_options)
+    hiddens = tuple(h[:, :width + 1] for h in hiddens)
     if width == 0:
         committed = select(logits[:, 0], request.sampling, spec.sampler, key, state.seen)[:, None]
         accepted = jnp.zeros((batch,), jnp.int32)
