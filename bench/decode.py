@@ -266,18 +266,22 @@ def build_report(args, prompts, prompt_lengths, runs, weight_bytes, bandwidths, 
     jx = runs[REFERENCE]
     lines = []
     lines.append(f"{SECTION}\n")
-    peers = peer_versions()
+    has_hf = any(name.startswith("HF ") for name in runs)
+    versions = [peer_versions()] if has_hf else []
+    weights = ["jaxspec" + (" and HF dequantize" if has_hf else " dequantizes")
+               + " it to float32 (jaxspec then converts to its weight format)"]
     if LLAMA_CPP in runs:
-        peers += (f", llama-cpp-python {machine['llama_cpp_version']} (n_threads={args.llama_threads}, "
-                  f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
+        versions.append(f"llama-cpp-python {machine['llama_cpp_version']} (n_threads={args.llama_threads}, "
+                        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
+        weights.append("llama.cpp runs it as stored")
     lines.append(
         f"{datetime.date.today().isoformat()}, jaxspec {machine['commit']}; {platform.machine()}, "
         f"{os.cpu_count()} cores, shared (1-minute load average {machine['load'][0]:.1f} at the start, "
         f"{machine['load'][1]:.1f} at the end; engines interleaved prompt by prompt, medians over "
         f"{n} prompts x {machine['passes']} pass(es){_bounded_note(runs, n)}); "
-        f"jax {jax.__version__}, {peers}. SmolLM2-135M-Instruct Q4_1 GGUF: jaxspec and HF dequantize "
-        f"it to float32 (jaxspec then converts to its weight format), llama.cpp runs it as stored; batch 1, "
-        f"{args.max_new_tokens} greedy tokens (`ignore_eos`; llama.cpp suppresses EOS instead), chat "
+        f"{', '.join([f'jax {jax.__version__}', *versions])}. SmolLM2-135M-Instruct Q4_1 GGUF: "
+        f"{', '.join(weights)}; batch 1, {args.max_new_tokens} greedy tokens (`ignore_eos`"
+        f"{'; llama.cpp suppresses EOS instead' if LLAMA_CPP in runs else ''}), chat "
         f"template, Spec-Bench prompts: "
         + ", ".join(f"{c} #{qid} ({k} tokens)" for (c, qid, _), k in zip(prompts, prompt_lengths))
         + f". Total benchmark run {machine['seconds']:.0f} s.\n")
