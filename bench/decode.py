@@ -352,8 +352,9 @@ def build_report(args, prompts, prompt_lengths, runs, weight_bytes, bandwidths, 
         lines.append(
             f"Caveat: other jobs were running (load average up to {max(machine['load']):.1f} on "
             f"{os.cpu_count()} cores). torch's OpenMP threads slow down far more than XLA's when a core "
-            "is taken away, and llama.cpp's (which wait for each other at every op) most of all, so the HF and llama.cpp rows "
-            "(and the ratios) are worse than on a quiet machine; rerun when idle before relying on them.\n")
+            "is taken away, and llama.cpp's (which wait for each other at every op) most of all, so the HF "
+            "and llama.cpp rows (and the ratios) are worse than on a quiet machine; rerun when idle before "
+            "relying on them.\n")
     return "\n".join(lines)
 
 
