@@ -17,8 +17,8 @@ on 5 Spec-Bench prompts from different categories, chat template on. Engines:
   weights as stored (Q4_1, the embedding Q8_0), `n_threads=2` (`--llama-threads`), fed the
   same chat-templated token ids as jaxspec (`Llama.generate`), so prompt lengths match. Greedy
   (`temp=0, top_k=1`) with EOS suppressed by the processor `logit_bias={token_eos: -1000}`
-  installs, so it always decodes exactly N tokens; where jaxspec's argmax is EOS its tokens
-  differ from there on (the speed does not). Its decode time is timed like HF's: wall time
+  installs, so it always decodes exactly N tokens; where the model's argmax is EOS, llama.cpp's
+  tokens differ from jaxspec's from there on (the speed does not). Its decode time is timed like HF's: wall time
   of an N-token call minus a 1-token call (prefill + first token), each from an empty cache
   (`Llama.reset()`, no prefix reuse), over N - 1 tokens.
 Engines run interleaved (prompt by prompt, side by side) so that drift on a shared machine hits
@@ -44,8 +44,10 @@ format (llama.cpp: the GGUF's tensor bytes). Bandwidth is measured here, two way
 float32 `np.copyto` ((read + written bytes) / time) and a jax GEMV `W @ x` with W float32
 [8192, 16384] (W bytes / time).
 """
+
 from __future__ import annotations
 
+import abc
 import argparse
 import datetime
 import importlib.util
@@ -142,7 +144,27 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-class HF:
+class Peer(abc.ABC):
+    """A peer engine timed from outside: `_generate(ids, n)` returns n greedy tokens and the call's
+    wall seconds; decode speed is (N - 1) tokens over an N-token call minus a 1-token call
+    (prefill + the first token)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def _generate(self, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
+        """n greedy tokens after `ids`, and the call's wall seconds."""
+
+    def run(self, ids: list[int], new_tokens: int) -> dict:
+        _, prefill = self._generate(ids, 1)  # prefill + the first token
+        tokens, total = self._generate(ids, new_tokens)
+        assert len(tokens) == new_tokens, (self.name, len(tokens))
+        return dict(tokens=tokens, e2e=new_tokens / total,
+                    decode=(new_tokens - 1) / (total - prefill) if total > prefill else float("nan"),
+                    prefill_s=prefill)
+
+
+class HF(Peer):
     """transformers `generate` on the same GGUF (dequantized by transformers' own code)."""
 
     def __init__(self, model, name: str):
@@ -171,24 +193,16 @@ class HF:
             seconds = time.perf_counter() - start
         return out[0, len(ids):].tolist(), seconds
 
-    def run(self, ids: list[int], new_tokens: int) -> dict:
-        _, prefill = self._generate(ids, 1)  # prefill + the first token
-        tokens, total = self._generate(ids, new_tokens)
-        assert len(tokens) == new_tokens, (self.name, len(tokens))
-        return dict(tokens=tokens, e2e=new_tokens / total,
-                    decode=(new_tokens - 1) / (total - prefill) if total > prefill else float("nan"),
-                    prefill_s=prefill)
 
-
-class LlamaCpp:
+class LlamaCpp(Peer):
     """llama.cpp (llama-cpp-python) on the GGUF file itself, fed token ids, greedy, EOS suppressed."""
 
     def __init__(self, path: pathlib.Path, threads: int, context: int):
         import gguf
         import llama_cpp
 
-        self.llama_cpp = llama_cpp
-        # verbose=True: verbose=False crashed on this machine (it redirects the C library's stderr).
+        self.llama_cpp, self.name = llama_cpp, LLAMA_CPP
+        # verbose=True: verbose=False crashed on this machine.
         self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_ctx=context, verbose=True)
         eos = self.llm.token_eos()
 
@@ -210,14 +224,6 @@ class LlamaCpp:
             if len(tokens) == new_tokens:
                 break
         return tokens, time.perf_counter() - start
-
-    def run(self, ids: list[int], new_tokens: int) -> dict:
-        _, prefill = self._generate(ids, 1)  # prefill + the first token
-        tokens, total = self._generate(ids, new_tokens)
-        assert len(tokens) == new_tokens, (LLAMA_CPP, len(tokens))
-        return dict(tokens=tokens, e2e=new_tokens / total,
-                    decode=(new_tokens - 1) / (total - prefill) if total > prefill else float("nan"),
-                    prefill_s=prefill)
 
 
 def load_llama_cpp(path: pathlib.Path, threads: int, context: int) -> LlamaCpp | None:
