@@ -317,9 +317,14 @@ def group_summary(records: list[dict], methods: list[Method], hf_ids: set[int]) 
     return out
 
 
+def section_title(weight_format: str) -> str:
+    """This script's RESULTS.md section: one per weight format (f32 keeps the original title)."""
+    return SECTION if weight_format == "f32" else f"{SECTION[:-1]} --weight-format {weight_format})"
+
+
 def build_report(args, picked, methods, hf_methods, records, summaries, costs, sweep, chosen,
                  mismatches, incomplete, seconds, compile_s) -> str:
-    lines = [f"{SECTION}\n"]
+    lines = [f"{section_title(args.weight_format)}\n", f"Target weights: {args.weight_format} (the heads follow).\n"]
     total_prompts = sum(len(v) for v in picked.values())
     lines.append(
         f"{datetime.date.today().isoformat()}; {platform.processor() or platform.machine()}, 2 cores, shared "
@@ -550,9 +555,9 @@ def _nan_low(value: float) -> float:
     return -math.inf if math.isnan(value) else value
 
 
-def write_section(path: pathlib.Path, section: str) -> None:
-    """Replace this script's section of RESULTS.md, keep the rest."""
-    replace_section(path, SECTION, section)
+def write_section(path: pathlib.Path, section: str, weight_format: str) -> None:
+    """Replace this script's section of RESULTS.md for `weight_format`, keep the rest."""
+    replace_section(path, section_title(weight_format), section)
 
 
 def plot(path: pathlib.Path, summaries, methods, hf_methods, costs, args) -> None:
@@ -635,9 +640,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mtp-k", type=int, nargs="+", default=[2], help="MTP draft lengths")
     parser.add_argument("--sampled-head-k", type=int, default=4, help="the heads' k in the sampled rows")
     parser.add_argument("--no-hf", action="store_true", help="jaxspec only")
+    parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8"),
+                        help="the target's weights (heads follow); each format has its own RESULTS.md section")
     parser.add_argument("--no-layer-skip", action="store_true")
     parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--plot", type=pathlib.Path, default=DEFAULT_PLOT)
+    parser.add_argument("--plot", type=pathlib.Path, default=None,
+                        help="the figure (default bench/spec_speedup.png; spec_speedup_FORMAT.png for int8, bf16)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md and the plot alone")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -657,13 +665,16 @@ def main(argv: list[str] | None = None) -> int:
         args.cost_max_t = max(args.cost_max_t, need)
     if args.eagle3.lower() != "none":
         args.cost_max_t = max(args.cost_max_t, max(args.eagle3_k) + 1)
+    if args.plot is None:
+        args.plot = DEFAULT_PLOT if args.weight_format == "f32" else DEFAULT_PLOT.with_name(
+            f"{DEFAULT_PLOT.stem}_{args.weight_format}.png")
     began = time.perf_counter()
 
     import jaxspec
     from jaxspec import checkpoints
 
     picked = pick_prompts(args.questions, args.prompts)
-    model = jaxspec.load()
+    model = jaxspec.load(weight_format=args.weight_format)
     cfg = model.config
     heads = {}
     if args.eagle3 and args.eagle3.lower() != "none":
@@ -840,8 +851,10 @@ def main(argv: list[str] | None = None) -> int:
                                 sampling_report(args, sampled, bool(hf_methods)) + "\nFigure: `bench/spec_speedup.png`", 1)
     print()
     print(report)
+    if args.weight_format != "f32":  # its own figure beside the f32 one
+        report = report.replace("bench/spec_speedup.png", f"bench/{args.plot.name}")
     if not args.no_write:
-        write_section(args.results, report)
+        write_section(args.results, report, args.weight_format)
         plot(args.plot, summaries, methods, hf_methods, costs, args)
         print(f"wrote {args.results} and {args.plot}")
     return 1 if mismatches else 0

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import checkpoints, compilation
-from jaxspec.errors import InvalidRequestError
+from jaxspec.errors import InvalidRequestError, is_integer
 from jaxspec.model import Model, layer_skip, lm_head_of, with_weight_format
 from jaxspec.models import quant
 from jaxspec.models.layers import fuse_projections
@@ -152,7 +152,7 @@ def prompt_ids(prompt, model: Model, chat: bool) -> list[list[int]]:
         prompt = [prompt]
     if not isinstance(prompt, Sequence) or len(prompt) == 0:
         raise InvalidRequestError(f"prompt must be a non-empty string, list of strings or token ids; got {prompt!r:.80}")
-    if all(isinstance(p, (int, np.integer)) for p in prompt):
+    if all(is_integer(p) for p in prompt):
         prompt = [list(prompt)]
     rows = []
     for index, item in enumerate(prompt):
@@ -162,7 +162,7 @@ def prompt_ids(prompt, model: Model, chat: bool) -> list[list[int]]:
             if not item:
                 raise InvalidRequestError(f"prompt {index} is an empty string")
             ids = model.tokenizer.encode_chat(item) if chat else model.tokenizer.encode(item)
-        elif isinstance(item, (Sequence, np.ndarray)) and all(isinstance(t, (int, np.integer)) for t in item):
+        elif isinstance(item, (Sequence, np.ndarray)) and all(is_integer(t) for t in item):
             ids = [int(t) for t in item]
         else:
             raise InvalidRequestError(f"prompt {index} must be a string or a list of token ids; got {item!r:.80}")

@@ -21,15 +21,33 @@ from tests.conftest import TINY, max_relative_error
 RNG = np.random.default_rng(0)
 
 
+def test_hadamard_is_an_orthonormal_involution_over_blocks():
+    assert [quant.rotation_block(width) for width in (576, 1536, 40, 7, 128)] == [64, 64, 8, 1, 64]
+    x = RNG.standard_normal((576, 3)).astype(np.float32)
+    rotated = quant.hadamard(x, axis=0)
+    np.testing.assert_allclose(quant.hadamard(rotated, axis=0), x, atol=1e-5)  # H H = I
+    np.testing.assert_allclose(np.linalg.norm(rotated, axis=0), np.linalg.norm(x, axis=0), rtol=1e-5)
+    # block by block, the Sylvester matrix / 8: an outlier spreads over its block of 64 only
+    spike = np.zeros((576, 1), np.float32)
+    spike[70] = 8.0
+    spread = quant.hadamard(spike, axis=0)[:, 0]
+    assert np.allclose(np.abs(spread[64:128]), 1.0) and not spread[:64].any() and not spread[128:].any()
+    np.testing.assert_allclose(np.asarray(quant.hadamard(jnp.asarray(x), axis=0)), rotated, atol=1e-6)
+
+
 def test_quantize_rows_is_symmetric_per_row_and_within_half_a_step():
     w = RNG.standard_normal((6, 40)).astype(np.float32)
     w[2] = 0.0  # an all-zero row gets scale 1 and zero codes
     q = quant.quantize_rows(w)
     assert q.values.dtype == np.int8 and q.scales.shape == (6,)
     assert np.abs(q.values).max() == 127 and q.scales[2] == 1.0 and not q.values[2].any()
-    np.testing.assert_allclose(np.abs(w).max(axis=1)[[0, 1, 3, 4, 5]], 127 * q.scales[[0, 1, 3, 4, 5]], rtol=1e-6)
-    error = np.abs(quant.dequantize(q) - w)
-    assert (error <= q.scales[:, None] / 2 * (1 + 1e-6)).all()
+    rotated = quant.hadamard(w, axis=1)  # codes live in the rotated basis, within half a step there
+    np.testing.assert_allclose(np.abs(rotated).max(axis=1)[[0, 1, 3, 4, 5]], 127 * q.scales[[0, 1, 3, 4, 5]],
+                               rtol=1e-6)
+    assert (np.abs(q.values * q.scales[:, None] - rotated) <= q.scales[:, None] / 2 * (1 + 1e-5)).all()
+    # and back in the weight's basis the row error is no larger (the rotation is orthonormal)
+    row_error = np.linalg.norm(quant.dequantize(q) - w, axis=1)
+    assert (row_error <= np.sqrt(40) * q.scales / 2 * (1 + 1e-5)).all()
     # The jax path agrees to XLA's division rounding (scales within an ulp, codes within one step).
     on_device = quant.quantize_rows(jnp.asarray(w))
     np.testing.assert_allclose(np.asarray(on_device.scales), q.scales, rtol=2e-7)
@@ -43,7 +61,7 @@ class W8A8ProductTest(chex.TestCase):
         w = quant.quantize_rows(RNG.standard_normal((24, 40)).astype(np.float32))
         x = RNG.standard_normal((40, 5)).astype(np.float32)
         got = np.asarray(self.variant(quant.matmul)(jax.tree.map(jnp.asarray, w), jnp.asarray(x)))
-        codes, token_scales = (np.asarray(a) for a in quant.quantize_tokens(jnp.asarray(x)))
+        codes, token_scales = (np.asarray(a) for a in quant.quantize_tokens(quant.hadamard(jnp.asarray(x), 0)))
         exact = w.values.astype(np.int64) @ codes.astype(np.int64)
         np.testing.assert_array_equal(got, exact.astype(np.float32) * w.scales[:, None] * token_scales[None, :])
         # and it is a faithful product: within int8 rounding of the float one
@@ -92,7 +110,7 @@ def test_convert_touches_linear_weights_only_and_shape_structs_match():
 
 
 def test_unknown_weight_format_is_refused_by_name():
-    with pytest.raises(InvalidRequestError, match=r"unknown weight format 'int4'.*'f32', 'bf16', 'int8'"):
+    with pytest.raises(InvalidRequestError, match=r"unknown weight format 'int4'; choose from \['auto', 'f32', 'bf16', 'int8'\]"):
         WeightFormat.parse("int4")
     with pytest.raises(InvalidRequestError, match="unknown weight format"):
         jaxspec.load("smollm2-135m", weight_format="fp8")

@@ -11,12 +11,19 @@ The formats:
 - "f32": float32 weights, float32 products (the reference).
 - "bf16": bfloat16 weights; activations cast to bfloat16 at the product, accumulated in float32.
   Half the bytes; the GPU default. XLA CPU has no fast bf16 product, so it is not the CPU default.
-- "int8": per-output-row symmetric int8 (scale = max|row| / 127). On CPU the product is W8A8:
-  activations are quantized per token (per column of the feature-major `[in, B*T]` stream: one
-  scale per token) and multiplied in int8 x int8 -> int32, then scaled back in float32. Integer
-  accumulation is exact, and every other step is per element or per token, so a token's output
-  does not depend on how many tokens share the product: a position's logits are the same in a
-  T = 2 step as inside a T = k+1 verify. On XLA CPU the int8 product streams its 4x smaller
+- "int8": per-output-row symmetric int8 (scale = max|row| / 127), stored rotated: the input axis
+  goes through an orthonormal block Walsh-Hadamard transform H (blocks of 64, or the largest
+  power of two dividing the input width), so the weight holds W H and the product rotates its
+  input too: (W H)(H x) = W x, since H H = I. The rotation spreads the few outlier channels of
+  an activation over their block, which is what lets one int8 scale per token serve the whole
+  token (QuaRot's observation). Measured on the default model: per-token activations without it
+  cost +3.6% perplexity, with it none (bench/kv_formats.py). On CPU the product is W8A8:
+  activations are rotated, quantized per token (per column of the feature-major `[in, B*T]`
+  stream: one scale per token) and multiplied in int8 x int8 -> int32, then scaled back in
+  float32. Integer accumulation is exact, and every other step is per element or per token, so
+  a token's output does not depend on how many tokens share the product: a position's logits
+  are the same in a T = 2 step as inside a T = k+1 verify. (Per-block activation scales, the
+  other cure, need a batched product per block, ~2x slower here.) On XLA CPU the int8 product streams its 4x smaller
   weights at the float32 rate and costs nearly the same for 2..9 tokens, but a single column
   takes a slow matrix-vector path, so one-column products are padded to two. On GPU the product
   is W8A16 (jaxspec.pallas.int8_matmul): weights converted to bfloat16 on the way in.
@@ -26,7 +33,7 @@ The formats:
 from __future__ import annotations
 
 import dataclasses
-import enum
+import math
 from typing import Any
 
 import jax
@@ -34,26 +41,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.errors import InvalidRequestError
+from jaxspec.errors import Choice, InvalidRequestError
 
 INT8_MAX = 127  # symmetric: codes in [-127, 127], so negation never overflows
+ROTATION_BLOCK = 64  # the Hadamard block along an int8 weight's input axis (module docstring)
 
 
-class WeightFormat(enum.Enum):
+class WeightFormat(Choice):
     AUTO = "auto"
     F32 = "f32"
     BF16 = "bf16"
     INT8 = "int8"
 
     @classmethod
-    def parse(cls, name: "WeightFormat | str") -> "WeightFormat":
-        if isinstance(name, cls):
-            return name
-        try:
-            return cls(str(name).lower())
-        except ValueError:
-            valid = ", ".join(repr(f.value) for f in cls)
-            raise InvalidRequestError(f"unknown weight format {name!r}; expected one of {valid}") from None
+    def label(cls) -> str:
+        return "weight format"
 
     def resolve(self, platform: str | None = None) -> "WeightFormat":
         """The concrete format: AUTO is f32 on CPU and bf16 on accelerators."""
@@ -79,11 +81,37 @@ class Int8Weight:
 Weight = jax.Array | Int8Weight
 
 
+def rotation_block(in_features: int) -> int:
+    """The Hadamard block for an input width: ROTATION_BLOCK, or the largest power of two that
+    divides the width when that is smaller (1: no rotation)."""
+    return math.gcd(in_features, ROTATION_BLOCK)  # ROTATION_BLOCK is a power of two
+
+
+def hadamard(x: Any, axis: int) -> Any:
+    """The orthonormal Walsh-Hadamard transform over consecutive blocks of `rotation_block` along
+    `axis` (numpy or jax; its own inverse). Butterflies, so XLA fuses it into its neighbours; each
+    slice across `axis` (a token, a weight row) is transformed on its own."""
+    xp = np if isinstance(x, np.ndarray) else jnp
+    width = x.shape[axis]
+    block = rotation_block(width)
+    if block == 1:
+        return x
+    y = xp.moveaxis(x, axis, 0)
+    rest = y.shape[1:]
+    half = 1
+    while half < block:  # pairs (i, i + half) within each 2*half group -> (a + b, a - b)
+        pairs = y.reshape(width // (2 * half), 2, half, *rest)
+        a, b = pairs[:, 0], pairs[:, 1]
+        y = xp.stack([a + b, a - b], axis=1).reshape(width, *rest)
+        half *= 2
+    return xp.moveaxis(y * (1.0 / math.sqrt(block)), 0, axis)
+
+
 def quantize_rows(w: Any) -> Int8Weight:
     """Per-output-row symmetric int8 of a float matrix [O, I] (numpy on the host, or a jax
-    array). An all-zero row gets scale 1 (its codes are 0 either way)."""
+    array), rotated along I (`hadamard`). An all-zero row gets scale 1 (its codes are 0)."""
     xp = np if isinstance(w, np.ndarray) else jnp
-    w = w.astype(xp.float32)
+    w = hadamard(w.astype(xp.float32), axis=1)
     absmax = xp.max(xp.abs(w), axis=1)
     scales = xp.where(absmax > 0, absmax / INT8_MAX, 1.0).astype(xp.float32)
     values = xp.clip(xp.rint(w / scales[:, None]), -INT8_MAX, INT8_MAX).astype(xp.int8)
@@ -94,7 +122,7 @@ def dequantize(w: Weight) -> jax.Array:
     """The float32 matrix a weight stands for."""
     if isinstance(w, Int8Weight):
         xp = np if isinstance(w.values, np.ndarray) else jnp
-        return w.values.astype(xp.float32) * w.scales[:, None]
+        return hadamard(w.values.astype(xp.float32) * w.scales[:, None], axis=1)
     return w.astype(jnp.float32) if not isinstance(w, np.ndarray) else w.astype(np.float32)
 
 
@@ -111,7 +139,7 @@ def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _w8a8(w: Int8Weight, x: jax.Array) -> jax.Array:
     """int8 x int8 -> int32 over `in`, then the float epilogue: [O, I] x [I, N] -> float32[O, N]."""
     columns = x.shape[1]
-    codes, token_scales = quantize_tokens(x.astype(jnp.float32))
+    codes, token_scales = quantize_tokens(hadamard(x.astype(jnp.float32), axis=0))
     if columns == 1:  # XLA CPU's one-column int8 product is a slow matrix-vector path (module doc)
         codes = jnp.pad(codes, ((0, 0), (0, 1)))
     exact = jax.lax.dot_general(w.values, codes, (((1,), (0,)), ((), ())),
@@ -126,7 +154,7 @@ def matmul(w: Weight, x: jax.Array) -> jax.Array:
             return _w8a8(w, x)
         from jaxspec.pallas.int8_matmul import w8a16_matmul  # GPU/TPU only
 
-        return w8a16_matmul(w.values, w.scales, x)
+        return w8a16_matmul(w.values, w.scales, hadamard(x, axis=0))
     if w.dtype == jnp.bfloat16:
         return jax.lax.dot_general(w, x.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
                                    preferred_element_type=jnp.float32)
@@ -135,10 +163,10 @@ def matmul(w: Weight, x: jax.Array) -> jax.Array:
 
 def embedding_rows(table: Weight, tokens: jax.Array) -> jax.Array:
     """Rows of an embedding table [V, D] for int32 ids [M] -> float32 [M, D]; an int8 table
-    gathers int8 rows and scales them."""
+    gathers int8 rows, scales them and rotates them back."""
     if isinstance(table, Int8Weight):
-        rows = jnp.take(table.values, tokens, axis=0).astype(jnp.float32)  # [M, D]
-        return rows * jnp.take(table.scales, tokens)[:, None]
+        rows = jnp.take(table.values, tokens, axis=0).astype(jnp.float32)  # [M, D], rotated
+        return hadamard(rows * jnp.take(table.scales, tokens)[:, None], axis=1)
     return jnp.take(table, tokens, axis=0).astype(jnp.float32)
 
 

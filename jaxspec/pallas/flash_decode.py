@@ -17,7 +17,6 @@ The switch `Attention` picks between them: AUTO is the kernel on GPU and the ref
 
 from __future__ import annotations
 
-import enum
 import functools
 import math
 
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.errors import InvalidRequestError
+from jaxspec.errors import Choice, InvalidRequestError
 from jaxspec.pallas import kv_quant
 from jaxspec.pallas.kv_quant import BLOCK, Format, Packed, Q5_1, Q8_0
 
@@ -36,21 +35,11 @@ _GPU_MIN_ROWS = 16  # Triton's dot needs at least 16 rows
 MAX_KERNEL_QUERIES = 128
 
 
-class Attention(enum.Enum):
+class Attention(Choice):
     AUTO = "auto"  # the kernel on GPU, the XLA reference elsewhere
     REFERENCE = "reference"  # flash_decode_reference (XLA)
     PALLAS = "pallas"  # the Pallas kernel, compiled natively (GPU)
     INTERPRET = "interpret"  # the Pallas kernel in the Pallas interpreter (tests on CPU)
-
-    @classmethod
-    def parse(cls, name: "Attention | str") -> "Attention":
-        if isinstance(name, Attention):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            raise InvalidRequestError(
-                f"unknown attention {name!r}; choose from {[a.value for a in cls]}") from None
 
 
 def resolve_attention(attention: Attention | str) -> Attention:

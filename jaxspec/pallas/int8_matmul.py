@@ -17,14 +17,14 @@ built for (`kernel_supports`) and the reference otherwise (interpret mode is for
 
 from __future__ import annotations
 
-import enum
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.errors import InvalidRequestError, UnsupportedModelError
+from jaxspec.errors import Choice, InvalidRequestError, UnsupportedModelError
+from jaxspec.pallas.kv_quant import check_backend
 
 _TRITON_MIN_BLOCK = 16  # Triton's dot needs every tile dimension >= 16
 # Decode and verify multiply by a few dozen tokens at most; with N <= block_n every weight tile is
@@ -40,31 +40,15 @@ MAX_KERNEL_TOKENS = 64
 BLOCK_O, BLOCK_I, BLOCK_N = 64, 128, 64
 
 
-class Implementation(enum.Enum):
+class Implementation(Choice):
     AUTO = "auto"  # the kernel on GPU for supported shapes, the XLA reference otherwise
     REFERENCE = "reference"  # w8a16_matmul_reference (XLA)
     PALLAS = "pallas"  # the Pallas kernel, compiled natively (GPU)
     INTERPRET = "interpret"  # the Pallas kernel in the Pallas interpreter (tests on CPU)
 
     @classmethod
-    def parse(cls, name: "Implementation | str") -> "Implementation":
-        if isinstance(name, Implementation):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            raise InvalidRequestError(
-                f"unknown matmul implementation {name!r}; choose from {[i.value for i in cls]}") from None
-
-
-def check_backend(interpret: bool, what: str) -> None:
-    """Native Pallas here means Triton on a GPU; anything else must run in the interpreter."""
-    backend = jax.default_backend()
-    if not interpret and backend != "gpu":
-        raise InvalidRequestError(
-            f"{what}: the Pallas kernel compiles for GPU (Triton) only and the JAX backend is "
-            f"{backend!r}; pass interpret=True to run it in the Pallas interpreter (tests), or use "
-            f"the XLA reference (implementation='reference' or 'auto')")
+    def label(cls) -> str:
+        return "matmul implementation"
 
 
 def _check_inputs(values, scales, x) -> tuple[int, int, int]:
@@ -206,7 +190,7 @@ def w8a16_matmul_pallas(values: jax.Array, scales: jax.Array, x: jax.Array, *, b
     """
     _check_inputs(values, scales, x)
     _check_blocks(block_o=block_o, block_i=block_i, block_n=block_n)
-    check_backend(interpret, "w8a16_matmul_pallas")
+    check_backend(interpret, "w8a16_matmul_pallas", switch="implementation")
     return _w8a16_matmul_pallas(values, scales, x, block_o=block_o, block_i=block_i, block_n=block_n,
                                 interpret=interpret)
 
@@ -221,7 +205,7 @@ def resolve_implementation(implementation: Implementation | str, out_features: i
         supported = on_gpu and kernel_supports(out_features, in_features, tokens)
         return Implementation.PALLAS if supported else Implementation.REFERENCE
     if implementation is Implementation.PALLAS:
-        check_backend(False, "implementation='pallas'")
+        check_backend(False, "implementation='pallas'", switch="implementation")
     return implementation
 
 

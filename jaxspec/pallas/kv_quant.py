@@ -23,7 +23,6 @@ Quantization follows ggml's reference rounding (`quantize_row_q8_0_ref`,
 
 from __future__ import annotations
 
-import enum
 import functools
 
 import jax
@@ -32,12 +31,12 @@ import numpy as np
 from flax import struct
 from jax.experimental import pallas as pl
 
-from jaxspec.errors import InvalidRequestError, UnsupportedModelError
+from jaxspec.errors import Choice, InvalidRequestError, UnsupportedModelError
 
 BLOCK = 32  # values per quantization block (ggml's QK8_0 = QK5_1 = 32)
 
 
-class Format(enum.Enum):
+class Format(Choice):
     """How one of K or V is stored."""
 
     F32 = "f32"
@@ -46,14 +45,8 @@ class Format(enum.Enum):
     Q5_1 = "q5_1"
 
     @classmethod
-    def parse(cls, name: "Format | str") -> "Format":
-        if isinstance(name, Format):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            raise InvalidRequestError(
-                f"unknown KV format {name!r}; choose from {[f.value for f in cls]}") from None
+    def label(cls) -> str:
+        return "KV format"
 
     @property
     def is_block(self) -> bool:
@@ -194,14 +187,15 @@ def _dequantize_blocks(x: Q8_0 | Q5_1) -> jax.Array:
 
 # --- kernel ------------------------------------------------------------------------------------
 
-def check_backend(interpret: bool, what: str) -> None:
-    """Native Pallas here means Triton on a GPU; anything else must run in the interpreter."""
+def check_backend(interpret: bool, what: str, switch: str = "attention") -> None:
+    """Native Pallas here means Triton on a GPU; anything else must run in the interpreter.
+    `switch` names the option that picks the reference instead (for the error message)."""
     backend = jax.default_backend()
     if not interpret and backend != "gpu":
         raise InvalidRequestError(
             f"{what}: the Pallas kernel compiles for GPU (Triton) only and the JAX backend is "
             f"{backend!r}; pass interpret=True to run it in the Pallas interpreter (tests), or use "
-            f"the jnp reference (attention='reference' or 'auto')")
+            f"the XLA reference ({switch}='reference' or 'auto')")
 
 
 def unpack_block_codes(packed: jax.Array, high_bits: jax.Array) -> jax.Array:
