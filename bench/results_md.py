@@ -42,7 +42,7 @@ def weight_formats(text: str) -> list[str]:
     names = []
     for item in text.split(","):
         try:
-            name = WeightFormat.parse(item.strip()).resolve().value
+            name = WeightFormat.parse(item.strip().lower()).resolve().value
         except InvalidRequestError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
         if name not in names:
