@@ -1,5 +1,6 @@
 """Shared by the bench scripts: bench/RESULTS.md holds one `## ` section per script, each script
-replacing only its own; and the peer library versions a report names."""
+replacing only its own; the peer library versions a report names; and the `--formats` option
+(which weight formats a script runs)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,22 @@ def peer_versions() -> str:
         return f"torch {torch.__version__}, transformers {transformers.__version__}"
     except ImportError:
         return "transformers not installed"
+
+
+def weight_formats(text: str) -> list[str]:
+    """argparse type for `--formats`: "f32,bf16,int8" -> ["f32", "bf16", "int8"], each a concrete
+    jaxspec weight format ("auto" resolved for this backend), duplicates dropped, order kept."""
+    import argparse
+
+    from jaxspec.errors import InvalidRequestError
+    from jaxspec.models.quant import WeightFormat
+
+    names = []
+    for item in text.split(","):
+        try:
+            name = WeightFormat.parse(item.strip().lower()).resolve().value
+        except InvalidRequestError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        if name not in names:
+            names.append(name)
+    return names

@@ -58,7 +58,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from results_md import peer_versions, replace_section  # bench/ is on sys.path when a bench script runs
+from forward_cost import forward_costs, timed  # bench/ is on sys.path when a bench script runs
+from results_md import peer_versions, replace_section
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loading bars in the log
 HERE = pathlib.Path(__file__).resolve().parent
@@ -116,50 +117,9 @@ def median(values) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def timed(fn, *args):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    return out, time.perf_counter() - start
-
-
 # ---------------------------------------------------------------------------------------------
 # Cost of one forward at T new tokens
 # ---------------------------------------------------------------------------------------------
-
-
-def forward_costs(variants: dict, capacity: int, length: int, calls: int, iters: int = 4) -> dict:
-    """Median seconds of one `llama.forward` per variant {name: (params, cfg, T)}.
-
-    Each timed call runs `iters` forwards in a jitted `fori_loop` with the cache in the carry (as
-    the generation loop carries it, updated in place), and the time is divided by `iters`. The
-    cache has `capacity` slots, `length` of them in use. Variants are timed round-robin, so drift
-    on the shared machine hits them alike.
-    """
-    from jaxspec.cache import KVCache
-
-    runners = {}
-    for name, (params, cfg, steps) in variants.items():
-        cache = KVCache.create(cfg, 1, capacity).set_length(jnp.full((1,), length, jnp.int32))
-        tokens = jnp.asarray(np.arange(100, 100 + steps, dtype=np.int32)[None])
-        timed(functools.partial(_forward_loop, cfg=cfg, iters=iters), params, tokens, cache)  # compile
-        runners[name] = (functools.partial(_forward_loop, cfg=cfg, iters=iters), params, tokens, cache)
-    samples = {name: [] for name in variants}
-    for _ in range(calls):
-        for name, (fn, params, tokens, cache) in runners.items():
-            samples[name].append(timed(fn, params, tokens, cache)[1] / iters)
-    return {name: median(s) for name, s in samples.items()}
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "iters"))
-def _forward_loop(params, tokens, cache, *, cfg, iters):
-    from jaxspec.models import llama
-
-    def body(_, carry):
-        cache, checksum = carry
-        logits, _, cache = llama.forward(params, cfg, tokens, cache)
-        return cache, checksum + logits[0, -1, 0]  # keeps every forward live
-
-    return jax.lax.fori_loop(0, iters, body, (cache, jnp.zeros((), jnp.float32)))[1]
 
 
 def head_step_cost(model, head, capacity: int, length: int, calls: int, iters: int = 4) -> float:

@@ -1,0 +1,129 @@
+"""The T-cost curve: one target forward at T = 1..9 new tokens, per weight format.
+
+    . .venv/bin/activate && python bench/tcost.py
+    . .venv/bin/activate && python bench/tcost.py --formats f32,int8 --calls 5 --no-write   # a quick look
+
+A speculative round with k drafts verifies T = k + 1 tokens in one target forward, so drafting
+pays only while the tokens a round commits outgrow cost(T) / cost(1). That ratio depends on the
+weight format: float32 and bfloat16 products are matrix-vector at T = 1 and matrix-matrix after;
+int8 (W8A8 on CPU) pads one-column products to two, so its T = 1 costs what T = 2 does, and its
+curve is read against T = 2 as well as T = 1.
+
+Default model (SmolLM2-135M-Instruct) loaded once per format with `jaxspec.load(weight_format=...)`
+(the first bf16 / int8 load converts and caches, later ones restore). Batch 1, a cache of
+`--capacity` 256 slots holding `--length` 100 tokens (the cache a short prompt plus 128 new tokens
+runs with), each (format, T) jitted once; every timed call runs `--iters` forwards in a
+`fori_loop` with the cache carried in place, as the generation loop runs them
+(bench/forward_cost.py), and the figure is the median over `--calls` calls, interleaved across
+formats and T so that drift on a shared machine hits them alike. The table replaces the
+`## T-cost curve (bench/tcost.py)` section of bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import platform
+import sys
+import time
+
+import jax
+
+from forward_cost import forward_costs  # bench/ is on sys.path when a bench script runs
+from results_md import replace_section, weight_formats
+
+HERE = pathlib.Path(__file__).resolve().parent
+DEFAULT_RESULTS = HERE / "RESULTS.md"
+SECTION = "## T-cost curve (bench/tcost.py)"
+RERUN = ". .venv/bin/activate && python bench/tcost.py"
+
+
+def measure(args) -> tuple[dict, dict]:
+    """{(format, T): median seconds of one forward}, and {format: weight MB}."""
+    import jaxspec
+
+    variants, weight_mb = {}, {}
+    for fmt in args.formats:
+        model = jaxspec.load(weight_format=fmt)
+        weight_mb[fmt] = sum(leaf.nbytes for leaf in jax.tree.leaves(model.params)) / 1e6
+        for steps in range(1, args.max_t + 1):
+            variants[(fmt, steps)] = (model.params, model.config, steps)
+    print(f"compiling {len(variants)} programs, then {args.calls} timed rounds", flush=True)
+    return forward_costs(variants, args.capacity, args.length, args.calls, iters=args.iters), weight_mb
+
+
+def build_section(args, costs: dict, weight_mb: dict, machine: dict) -> str:
+    formats = args.formats
+    lines = [SECTION, ""]
+    lines.append(
+        f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
+        f"load average {machine['load'][0]:.1f} at the start, {machine['load'][1]:.1f} at the end); jax "
+        f"{jax.__version__} on {jax.default_backend()}. SmolLM2-135M-Instruct, batch 1, a cache of "
+        f"{args.capacity} slots holding {args.length} tokens; one forward of T new tokens (all T logits), "
+        f"median over {args.calls} calls of {args.iters} forwards each, interleaved across formats and T. "
+        f"Weights: " + ", ".join(f"{fmt} {weight_mb[fmt]:.0f} MB" for fmt in formats)
+        + f". Run took {machine['seconds']:.0f} s.")
+    lines.append("")
+    lines.append(f"Rerun: `{RERUN}`")
+    lines.append("")
+    header = "| T |" + "".join(f" {fmt} ms | {fmt} / T=1 | {fmt} / T=2 |" for fmt in formats)
+    others = [fmt for fmt in formats if fmt != "f32"] if "f32" in formats else []
+    header += "".join(f" {fmt} / f32 |" for fmt in others)
+    lines.append(header)
+    lines.append("|---:|" + "---:|" * (3 * len(formats) + len(others)))
+    for steps in range(1, args.max_t + 1):
+        row = f"| {steps} |"
+        for fmt in formats:
+            cost = costs[(fmt, steps)]
+            # T = 2 is the baseline a T = 1 row is read against only when max_t reaches it.
+            vs_two = f"{cost / costs[(fmt, 2)]:.2f}" if (fmt, 2) in costs else "-"
+            row += f" {1e3 * cost:.1f} | {cost / costs[(fmt, 1)]:.2f} | {vs_two} |"
+        row += "".join(f" {costs[(fmt, steps)] / costs[('f32', steps)]:.2f} |" for fmt in others)
+        lines.append(row)
+    lines.append("")
+    last = args.max_t
+    if last > 2:
+        # From T = 2 on every product is matrix-matrix in every format: a straight line fits there.
+        slopes = "; ".join(
+            f"{fmt} {1e3 * (costs[(fmt, last)] - costs[(fmt, 2)]) / (last - 2):.2f} ms" for fmt in formats)
+        lines.append(f"Extra cost per token from T=2 to T={last}: {slopes}. A round of k drafts pays when the "
+                     "tokens it commits exceed cost(k + 1) / cost(1) plus the drafting cost; read int8 "
+                     "against T=2 as well, since its one-column products are padded to two.")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", type=weight_formats, default=["f32", "bf16", "int8"],
+                        help="weight formats, comma separated (default f32,bf16,int8)")
+    parser.add_argument("--max-t", type=int, default=9, help="T = 1 .. this (default 9)")
+    parser.add_argument("--capacity", type=int, default=256, help="cache slots (default 256)")
+    parser.add_argument("--length", type=int, default=100, help="tokens already in the cache (default 100)")
+    parser.add_argument("--calls", type=int, default=30, help="timed calls per (format, T) (default 30)")
+    parser.add_argument("--iters", type=int, default=4, help="forwards per timed call (default 4)")
+    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
+    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
+    args = parser.parse_args(argv)
+    for name in ("max_t", "calls", "iters"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.length + args.max_t > args.capacity:
+        parser.error(f"--length {args.length} + --max-t {args.max_t} overruns --capacity {args.capacity}")
+
+    began, load_before = time.perf_counter(), os.getloadavg()
+    costs, weight_mb = measure(args)
+    machine = dict(load=(load_before[0], os.getloadavg()[0]), seconds=time.perf_counter() - began)
+    section = build_section(args, costs, weight_mb, machine)
+    print()
+    print(section)
+    if not args.no_write:
+        replace_section(args.results, SECTION, section)
+        print(f"wrote {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
