@@ -20,10 +20,12 @@ The formats:
   cost +3.6% perplexity, with it none (bench/kv_formats.py). On CPU the product is W8A8:
   activations are rotated, quantized per token (per column of the feature-major `[in, B*T]`
   stream: one scale per token) and multiplied in int8 x int8 -> int32, then scaled back in
-  float32. Integer accumulation is exact, and every other step is per element or per token, so
-  a token's output does not depend on how many tokens share the product: a position's logits
-  are the same in a T = 2 step as inside a T = k+1 verify. (Per-block activation scales, the
-  other cure, need a batched product per block, ~2x slower here.) On XLA CPU the int8 product streams its 4x smaller
+  float32. Integer accumulation is exact, and every other step of the product is per element or
+  per token, so a token's product does not depend on how many tokens share it. The float work
+  around the products does, by an ulp, and an ulp can flip an int8 rounding: so decode forwards
+  over int8 (and bf16) weights are padded to TOKEN_LANES tokens (jaxspec.spec.loop), and then a
+  position's logits are bitwise the same in a step as inside a verify. (Per-block activation
+  scales, the other cure for outliers, need a batched product per block, ~2x slower here.) On XLA CPU the int8 product streams its 4x smaller
   weights at the float32 rate and costs nearly the same for 2..9 tokens, but a single column
   takes a slow matrix-vector path, so one-column products are padded to two. On GPU the product
   is W8A16 (jaxspec.pallas.int8_matmul): weights converted to bfloat16 on the way in.

@@ -47,7 +47,7 @@ class LoopSpec:
     proposer: Proposer | None = None  # None: plain decoding
     kv_format: KVFormat | None = None  # the target's K/V storage; None: the trunk's default (float32)
     attention: str = "auto"  # jaxspec.pallas.Attention: "auto" | "reference" | "pallas" | "interpret"
-    # Decode forwards run a multiple of this many tokens per row (jaxspec.models.quant.token_lanes):
+    # Decode forwards carry a multiple of this many tokens, B * T (jaxspec.models.quant.token_lanes):
     # 1 for float32 weights; under int8 / bf16 every token then takes the same code path in a
     # step and in a verify, so its logits are bitwise the same in both.
     token_lanes: int = 1
@@ -65,7 +65,7 @@ class LoopSpec:
         return 0 if self.proposer is None else self.proposer.num_draft
 
     @property
-    def round_width(self) -> int:  # cache slots a round writes: k + 1, padded to token_lanes
+    def round_width(self) -> int:  # cache slots a round may write: k + 1, padded (at most) to token_lanes
         return -(-(self.num_draft + 1) // self.token_lanes) * self.token_lanes
 
     @property
@@ -262,9 +262,12 @@ def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, drafts
     """
     batch, width = drafts.shape
     verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, w+1]
-    lanes = spec.token_lanes
-    padded = -(-(width + 1) // lanes) * lanes  # filler tokens after the real ones (LoopSpec.token_lanes)
-    # their K/V land past every row's length, where the next round overwrites them
+    # Filler tokens after the real ones until the forward's B * T tokens fill whole vector lanes
+    # (LoopSpec.token_lanes; batch 8 needs none at T = 1). Their K/V land past every row's
+    # length, where the next round overwrites them.
+    padded = width + 1
+    while batch * padded % spec.token_lanes:
+        padded += 1
     logits, hiddens, cache = models.forward(
         params, spec.cfg, jnp.pad(verify_tokens, ((0, 0), (0, padded - width - 1))), state.cache,
         logit_indices=jnp.broadcast_to(jnp.arange(width + 1, dtype=jnp.int32), (batch, width + 1)),
