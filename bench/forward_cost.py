@@ -1,4 +1,5 @@
-"""Shared by the bench scripts: the cost of one trunk forward at T new tokens.
+"""Shared by the bench scripts: the cost of one trunk forward at T new tokens, and the median
+time of one jitted call (`median_seconds`) and the GPU-or-`--tiny` guard of the kernel timings.
 
 Contract: `forward_costs` times `llama.forward` the way the generation loop runs it (jitted, the
 cache carried through a `fori_loop` and updated in place, batch 1, a cache of a given capacity
@@ -12,11 +13,33 @@ from __future__ import annotations
 
 import functools
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+    """Median wall seconds of `fn(*args)` over `repeats` calls, after one untimed (compiling) call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def require_gpu_or_tiny(tiny: bool) -> bool:
+    """A kernel timing runs natively on a GPU, or in the interpreter with --tiny (plumbing only);
+    exits with that advice otherwise. Returns whether the kernel must run interpreted."""
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not tiny:
+        sys.exit(f"timing needs a GPU (JAX backend is {jax.default_backend()!r}); pass --tiny to check "
+                 "the plumbing on CPU")
+    return not on_gpu
 
 
 def timed(fn, *args):

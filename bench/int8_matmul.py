@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from forward_cost import median_seconds, require_gpu_or_tiny  # noqa: E402  (bench/ is on sys.path)
 from jaxspec.pallas.int8_matmul import w8a16_matmul_pallas, w8a16_matmul_reference  # noqa: E402
 
 WEIGHT_SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]  # [O, I]
@@ -34,23 +33,10 @@ TOKEN_COUNTS = [2, 5, 64]  # N
 TINY_DIVISOR = 16
 
 
-def median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
 
 def timing(args) -> str:
-    on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and not args.tiny:
-        sys.exit(f"timing needs a GPU (JAX backend is {jax.default_backend()!r}); pass --tiny to check "
-                 "the plumbing on CPU")
+    interpret = require_gpu_or_tiny(args.tiny)
     divisor, repeats = (TINY_DIVISOR, 3) if args.tiny else (1, args.repeats)
-    interpret = not on_gpu
     kernel = jax.jit(lambda values, scales, x: w8a16_matmul_pallas(values, scales, x, interpret=interpret))
     reference = jax.jit(w8a16_matmul_reference)
     rng = np.random.RandomState(0)

@@ -35,7 +35,6 @@ import argparse
 import functools
 import json
 import pathlib
-import statistics
 import sys
 import time
 
@@ -46,6 +45,7 @@ import numpy as np
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from forward_cost import median_seconds, require_gpu_or_tiny  # noqa: E402  (bench/ is on sys.path)
 from jaxspec.cache import KVCache, KVFormat  # noqa: E402
 from jaxspec.models import llama  # noqa: E402
 from jaxspec.pallas import kv_quant  # noqa: E402
@@ -323,26 +323,13 @@ def write_section(path: pathlib.Path, section: str) -> None:
 
 # --- kernel timing -----------------------------------------------------------------------------
 
-def _median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
 
 def timing(args) -> str:
-    on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and not args.tiny:
-        sys.exit(f"timing needs a GPU (JAX backend is {jax.default_backend()!r}); pass --tiny to check "
-                 "the plumbing on CPU")
+    interpret = require_gpu_or_tiny(args.tiny)
     if args.tiny:
         batch, capacity, num_heads, num_kv_heads, head_dim, repeats = 2, 256, 4, 2, 64, 3
     else:
         batch, capacity, num_heads, num_kv_heads, head_dim, repeats = 8, 8192, 32, 8, 128, 20
-    interpret = not on_gpu
     group, steps = num_heads // num_kv_heads, 1
     keys_q = jax.random.split(jax.random.PRNGKey(0), 3)
     q = jax.random.normal(keys_q[0], (batch, steps, num_kv_heads, group, head_dim), jnp.float32)
@@ -360,8 +347,8 @@ def timing(args) -> str:
         kv_bytes = kv_quant.nbytes(keys) + kv_quant.nbytes(values)
         ours = kernel(q, keys, values, lengths)
         error = float(jnp.max(jnp.abs(ours - reference(q, keys, values, lengths))))
-        kernel_s = _median_seconds(kernel, q, keys, values, lengths, repeats=repeats)
-        reference_s = _median_seconds(reference, q, keys, values, lengths, repeats=repeats)
+        kernel_s = median_seconds(kernel, q, keys, values, lengths, repeats=repeats)
+        reference_s = median_seconds(reference, q, keys, values, lengths, repeats=repeats)
         roofline_s = kv_bytes / (args.hbm_gbps * 1e9)
         rows.append((str(kv_format), kv_bytes, kernel_s, reference_s, roofline_s, error))
         print(f"{kv_format}: kernel {kernel_s * 1e6:.0f} us, reference {reference_s * 1e6:.0f} us, "
