@@ -2,6 +2,7 @@
 
     . .venv/bin/activate && python bench/tcost.py
     . .venv/bin/activate && python bench/tcost.py --formats f32,int8 --calls 5 --no-write   # a quick look
+    . .venv/bin/activate && python bench/tcost.py --fusion    # fused vs separate q/k/v, gate/up
 
 A speculative round with k drafts verifies T = k + 1 tokens in one target forward, so drafting
 pays only while the tokens a round commits outgrow cost(T) / cost(1). That ratio depends on the
@@ -37,6 +38,8 @@ from results_md import replace_section, weight_formats
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_RESULTS = HERE / "RESULTS.md"
 SECTION = "## T-cost curve (bench/tcost.py)"
+FUSION_SECTION = "## Fused projections (bench/tcost.py --fusion)"
+FUSION_TS = (1, 2, 8)  # a T = 1 forward, the padded-to-two one, the 8-token one int8 decoding runs
 RERUN = ". .venv/bin/activate && python bench/tcost.py"
 
 
@@ -52,6 +55,39 @@ def measure(args) -> tuple[dict, dict]:
             variants[(fmt, steps)] = (model.params, model.config, steps)
     print(f"compiling {len(variants)} programs, then {args.calls} timed rounds", flush=True)
     return forward_costs(variants, args.capacity, args.length, args.calls, iters=args.iters), weight_mb
+
+
+def measure_fusion(args) -> dict:
+    """{(format, "fused" | "separate", T): median seconds of one forward}: q/k/v and gate/up as one
+    product each (what `jaxspec.load` gives) against three and two (`layers.unfuse_projections`)."""
+    import jaxspec
+    from jaxspec.models.layers import unfuse_projections
+
+    variants = {}
+    for fmt in args.formats:
+        model = jaxspec.load(weight_format=fmt)
+        for layout, params in (("fused", model.params), ("separate", unfuse_projections(model.params))):
+            for steps in FUSION_TS:
+                variants[(fmt, layout, steps)] = (params, model.config, steps)
+    print(f"compiling {len(variants)} programs, then {args.calls} timed rounds", flush=True)
+    return forward_costs(variants, args.capacity, args.length, args.calls, iters=args.iters)
+
+
+def build_fusion_section(args, costs: dict, machine: dict) -> str:
+    lines = [FUSION_SECTION, "",
+             f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
+             f"load average {machine['load'][0]:.1f} at the start, {machine['load'][1]:.1f} at the end). One "
+             f"forward of the default model as in the T-cost curve (cache {args.capacity} holding {args.length}, "
+             f"median over {args.calls} calls of {args.iters} forwards, interleaved), with q/k/v and gate/up "
+             "fused into one product each (as `jaxspec.load` gives them) or separate.", "",
+             f"Rerun: `{RERUN} --fusion`", "",
+             "| format | T | fused ms | separate ms | separate / fused |", "|---|---:|---:|---:|---:|"]
+    for fmt in args.formats:
+        for steps in FUSION_TS:
+            fused, separate = costs[(fmt, "fused", steps)], costs[(fmt, "separate", steps)]
+            lines.append(f"| {fmt} | {steps} | {1e3 * fused:.1f} | {1e3 * separate:.1f} | {separate / fused:.2f} |")
+    lines.append("")
+    return "\n".join(lines)
 
 
 def build_section(args, costs: dict, weight_mb: dict, machine: dict) -> str:
@@ -106,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=4, help="forwards per timed call (default 4)")
     parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
     parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
+    parser.add_argument("--fusion", action="store_true",
+                        help="instead: fused vs separate q/k/v and gate/up products per format, at T = 1, 2, 8")
     args = parser.parse_args(argv)
     for name in ("max_t", "calls", "iters"):
         if getattr(args, name) < 1:
@@ -114,13 +152,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--length {args.length} + --max-t {args.max_t} overruns --capacity {args.capacity}")
 
     began, load_before = time.perf_counter(), os.getloadavg()
-    costs, weight_mb = measure(args)
-    machine = dict(load=(load_before[0], os.getloadavg()[0]), seconds=time.perf_counter() - began)
-    section = build_section(args, costs, weight_mb, machine)
+    if args.fusion:
+        costs = measure_fusion(args)
+        machine = dict(load=(load_before[0], os.getloadavg()[0]), seconds=time.perf_counter() - began)
+        heading, section = FUSION_SECTION, build_fusion_section(args, costs, machine)
+    else:
+        costs, weight_mb = measure(args)
+        machine = dict(load=(load_before[0], os.getloadavg()[0]), seconds=time.perf_counter() - began)
+        heading, section = SECTION, build_section(args, costs, weight_mb, machine)
     print()
     print(section)
     if not args.no_write:
-        replace_section(args.results, SECTION, section)
+        replace_section(args.results, heading, section)
         print(f"wrote {args.results}")
     return 0
 

@@ -4,8 +4,6 @@ type test every count and id in a request goes through.
 Each names what was wrong so a user (or the CLI, which prints one line and exits 2) can act on it.
 """
 
-import enum
-
 import numpy as np
 
 
@@ -29,22 +27,3 @@ def is_integer(value) -> bool:
     """An int or numpy integer, and not a bool (True is an int to Python, never a count or an id)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
-
-class Choice(enum.Enum):
-    """An option with a fixed set of values (an attention path, a KV or weight format, ...):
-    `parse` takes a member or its value and refuses anything else by listing the valid ones."""
-
-    @classmethod
-    def label(cls) -> str:
-        """What the option is called in messages."""
-        return cls.__name__.lower()
-
-    @classmethod
-    def parse(cls, name):
-        if isinstance(name, cls):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            raise InvalidRequestError(
-                f"unknown {cls.label()} {name!r}; choose from {[m.value for m in cls]}") from None

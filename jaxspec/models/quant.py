@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.errors import Choice, InvalidRequestError
+from jaxspec.choice import Choice
+from jaxspec.errors import InvalidRequestError
 
 INT8_MAX = 127  # symmetric: codes in [-127, 127], so negation never overflows
 # XLA CPU vectorizes elementwise work and reductions across the token axis (the minor one in the
@@ -209,15 +210,20 @@ def weight_leaves(params: Any) -> list[Any]:
 
 
 def _convert_leaf(leaf: Any, fmt: WeightFormat) -> Any:
-    """One linear param (an array, a numpy array or an Int8Weight) in `fmt`."""
+    """One linear param (an array, a numpy array or an Int8Weight) in `fmt`. The arithmetic runs
+    in numpy on the host whatever the leaf is (a device leaf goes back to the device), so a
+    checkpoint converted at load and a loaded Model converted later get the same codes."""
     if leaf is None or weight_format(leaf) is fmt:
         return leaf
+    on_device = not isinstance(leaf.values if isinstance(leaf, Int8Weight) else leaf, np.ndarray)
+    host = jax.device_get(leaf)
     if fmt is WeightFormat.INT8:
-        return leaf if isinstance(leaf, Int8Weight) else quantize_rows(leaf)
-    values = dequantize(leaf)
-    if fmt is WeightFormat.BF16:
-        return values.astype(jnp.bfloat16)
-    return values
+        converted = quantize_rows(host)
+    else:
+        converted = dequantize(host)
+        if fmt is WeightFormat.BF16:
+            converted = converted.astype(jnp.bfloat16)
+    return jax.device_put(converted) if on_device else converted
 
 
 def map_linear(tree: Any, fn: Any) -> Any:

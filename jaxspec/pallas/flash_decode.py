@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.errors import Choice, InvalidRequestError
+from jaxspec.choice import Choice
+from jaxspec.errors import InvalidRequestError
 from jaxspec.pallas import kv_quant
 from jaxspec.pallas.kv_quant import BLOCK, Format, Packed, Q5_1, Q8_0
 

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.errors import Choice, InvalidRequestError, UnsupportedModelError
+from jaxspec.choice import Choice
+from jaxspec.errors import InvalidRequestError, UnsupportedModelError
 from jaxspec.pallas.kv_quant import check_backend
 
 _TRITON_MIN_BLOCK = 16  # Triton's dot needs every tile dimension >= 16

@@ -31,7 +31,8 @@ import numpy as np
 from flax import struct
 from jax.experimental import pallas as pl
 
-from jaxspec.errors import Choice, InvalidRequestError, UnsupportedModelError
+from jaxspec.choice import Choice
+from jaxspec.errors import InvalidRequestError, UnsupportedModelError
 
 BLOCK = 32  # values per quantization block (ggml's QK8_0 = QK5_1 = 32)
 
