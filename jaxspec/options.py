@@ -78,8 +78,13 @@ class GenerateOptions:
         if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
         self._check_sampling()
-        if not is_integer(self.seed):
-            raise InvalidRequestError(f"seed must be an integer; got {self.seed!r}")
+        if not is_integer(self.seed) or not 0 <= self.seed < 2**32:
+            # jax.random.PRNGKey keeps 32 bits: a larger or negative seed would silently be another one
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**32); got {self.seed!r}")
+        for name in ("num_draft_tokens", "ngram_min", "ngram_max", "max_new_tokens", "seed"):
+            normalise(name, int(getattr(self, name)))  # numpy integers become the ints they are
+        if self.exit_layer is not None:
+            normalise("exit_layer", int(self.exit_layer))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if not all(isinstance(text, str) and text for text in stop):
             raise InvalidRequestError(f"stop strings must be non-empty strings; got {stop!r}")
@@ -99,11 +104,15 @@ class GenerateOptions:
         checks = [
             ("temperature", lambda v: v >= 0 and math.isfinite(v), "temperature must be >= 0"),
             ("top_p", lambda v: 0 < v <= 1, "top_p must be in (0, 1]"),
-            ("top_k", lambda v: v >= 0 and float(v).is_integer(), "top_k must be an integer >= 0 (0 disables)"),
+            ("top_k", lambda v: 0 <= v < 2**31 and float(v).is_integer(),
+             "top_k must be an integer in [0, 2**31) (0 disables)"),
             ("min_p", lambda v: 0 <= v <= 1, "min_p must be in [0, 1]"),
             ("repetition_penalty", lambda v: v > 0 and math.isfinite(v), "repetition_penalty must be > 0"),
         ]
         for name, ok, message in checks:
+            if isinstance(getattr(self, name), str | bytes):  # numpy would parse "0.5"
+                raise InvalidRequestError(f"{name} must be a number or a sequence of numbers; "
+                                          f"got {getattr(self, name)!r}")
             try:
                 values = np.atleast_1d(np.asarray(getattr(self, name), dtype=np.float64))
             except (TypeError, ValueError):

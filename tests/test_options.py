@@ -3,6 +3,7 @@ every setting checked when the options are made, before any model is touched."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 import jaxspec
@@ -54,6 +55,10 @@ def test_every_option_is_a_keyword(tiny_model):
         (dict(temperature=[0.5, -1.0]), "temperature must be >= 0"),
         (dict(top_k=1.5), "top_k must be an integer"),
         (dict(seed=1.0), "seed must be an integer"),
+        (dict(seed=2**64), r"seed must be an integer in \[0, 2\*\*32\)"),
+        (dict(seed=-1), "seed must be an integer in"),
+        (dict(top_k=2**40), "top_k must be an integer in"),
+        (dict(temperature="0.5"), "temperature must be a number"),
         (dict(stop=["ok", ""]), "stop strings must be non-empty"),
         (dict(stop_token_ids=[-1]), "stop_token_ids must be integers >= 0"),
         (dict(kv_format="q3"), "q3"),
@@ -64,6 +69,13 @@ def test_every_option_is_a_keyword(tiny_model):
 def test_bad_settings_are_named(kwargs, message):
     with pytest.raises(jaxspec.JaxspecError, match=message):
         GenerateOptions(**kwargs)
+
+
+def test_numpy_integers_are_taken_as_the_ints_they_are():
+    options = GenerateOptions(max_new_tokens=np.int64(4), num_draft_tokens=np.int32(3), seed=np.uint32(7),
+                              exit_layer=np.int16(2))
+    assert (options.max_new_tokens, options.num_draft_tokens, options.seed, options.exit_layer) == (4, 3, 7, 2)
+    assert all(type(value) is int for value in (options.max_new_tokens, options.seed, options.exit_layer))
 
 
 def test_unknown_options_are_named():

@@ -68,3 +68,22 @@ def test_weight_files_are_refused_by_name(tmp_path, file_name, problem):
     path.write_bytes(b"")
     with pytest.raises(CheckpointError, match=problem):
         checkpoints.resolve_model(path)
+
+
+def test_an_empty_name_is_an_error_not_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "only.gguf").write_bytes(b"GGUF")
+    for empty in ("", "  "):
+        with pytest.raises(CheckpointError, match="empty model name"):
+            checkpoints.resolve_model(empty)
+
+
+def test_a_pipe_or_device_is_refused_before_anything_opens_it(tmp_path):
+    import os
+
+    fifo = tmp_path / "x.gguf"
+    os.mkfifo(fifo)  # opening it for reading would block until a writer came
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        checkpoints.resolve_model(fifo)
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        checkpoints.resolve_model("/dev/zero")

@@ -92,3 +92,21 @@ def test_hf_missing_shard(hf_dirs, tmp_path):
     with pytest.raises(CheckpointError, match=shard.name):
         checkpoints.load_checkpoint(directory)
 
+
+
+@pytest.mark.parametrize("escape", ["../outside/model-00001.safetensors", "/etc/passwd", "link/model.safetensors"])
+def test_a_shard_index_pointing_outside_the_directory_is_refused(hf_dirs, tmp_path, escape):
+    """A weight_map entry is a file inside the model directory, never one reached through `..`,
+    an absolute path or a symlink out of it."""
+    directory = fx.copy_dir(hf_dirs["llama-sharded"][0], tmp_path / "hf")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for shard in directory.glob("model-*.safetensors"):
+        (outside / shard.name).write_bytes(shard.read_bytes())
+    (directory / "link").symlink_to(outside, target_is_directory=True)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = escape
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"shard .* of '{first}' lies outside"):
+        checkpoints.load_checkpoint(directory)

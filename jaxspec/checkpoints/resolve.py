@@ -75,6 +75,8 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
         return default_model_path()
     if isinstance(name_or_path, str) and name_or_path.lower() in PACKAGED_HEADS:
         return packaged_head_path(name_or_path.lower())
+    if isinstance(name_or_path, str) and not name_or_path.strip():
+        raise CheckpointError(f"an empty model name; pass a path or one of: {', '.join(KNOWN_NAMES)}")
     path = pathlib.Path(name_or_path).expanduser()
     if not path.exists():
         # A bare word was most likely meant as a name: say which names there are.
@@ -95,4 +97,6 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
         raise CheckpointError(f"{path}: pass the directory holding config.json and the safetensors files")
     if path.suffix in (".bin", ".pt", ".pth"):
         raise CheckpointError(f"{path}: pickled PyTorch checkpoints are not read; safetensors is required")
+    if not path.is_file():  # a FIFO, a device (/dev/zero), a socket: open() or hashing would never end
+        raise CheckpointError(f"{path} is not a regular file (a pipe, device or socket); pass a .gguf file")
     return path

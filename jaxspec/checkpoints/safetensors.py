@@ -52,7 +52,17 @@ def hf_weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map'")
-        files = {name: directory / shard for name, shard in weight_map.items()}
+        root = directory.resolve()
+        files = {}
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise CheckpointError(f"{index}: weight_map[{name!r}] is {shard!r}, not a shard file name")
+            path = (directory / shard).resolve()
+            # A shard is a file inside the model directory: an entry like "../../other/x.safetensors"
+            # (or an absolute path, or a symlink out) would read weights the directory does not hold.
+            if not path.is_relative_to(root):
+                raise CheckpointError(f"{index}: shard {shard!r} of {name!r} lies outside {directory}")
+            files[name] = path
         for shard in sorted(set(files.values())):
             if not shard.is_file():
                 raise CheckpointError(f"shard {shard.name} listed in {index} is missing")
