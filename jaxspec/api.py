@@ -149,6 +149,8 @@ def prompt_ids(prompt, model: Model, chat: bool) -> list[list[int]]:
     what is wrong."""
     if isinstance(prompt, np.ndarray):
         prompt = prompt.tolist()
+    if isinstance(prompt, bytes | bytearray):  # a Sequence of ints to Python, never token ids
+        raise InvalidRequestError("prompt is bytes; pass a str (decode it first) or a list of token ids")
     if isinstance(prompt, str):
         prompt = [prompt]
     if not isinstance(prompt, Sequence) or len(prompt) == 0:
@@ -162,8 +164,15 @@ def prompt_ids(prompt, model: Model, chat: bool) -> list[list[int]]:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids, not text")
             if not item:
                 raise InvalidRequestError(f"prompt {index} is an empty string")
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as err:  # a lone surrogate: no tokenizer can read it
+                raise InvalidRequestError(
+                    f"prompt {index} holds {item[err.start]!r} at index {err.start}, a lone surrogate that is "
+                    "not text (decode the source with errors='replace')") from None
             ids = model.tokenizer.encode_chat(item) if chat else model.tokenizer.encode(item)
-        elif isinstance(item, (Sequence, np.ndarray)) and all(is_integer(t) for t in item):
+        elif (isinstance(item, (Sequence, np.ndarray)) and not isinstance(item, bytes | bytearray)
+              and all(is_integer(t) for t in item)):
             ids = [int(t) for t in item]
         else:
             raise InvalidRequestError(f"prompt {index} must be a string or a list of token ids; got {item!r:.80}")

@@ -85,6 +85,8 @@ def test_a_new_shape_prints_one_compiling_line_unless_silenced(tiny_model, capsy
         (dict(prompt=[1, 128]), "token id 128 outside the vocabulary"),
         (dict(prompt=[1, -1]), "token id -1"),
         (dict(prompt=[[True, 5]]), "prompt 0 must be a string or a list of token ids"),
+        (dict(prompt=b"\x01\x02"), "prompt is bytes"),
+        (dict(prompt=[b"\x01\x02"]), "prompt 0 must be a string or a list of token ids"),
         (dict(prompt="text"), "no tokenizer"),
         (dict(prompt=[1], max_new_tokens=0), "max_new_tokens"),
         (dict(prompt=[1, 2], max_new_tokens=255), "exceeds the model's context of 256"),

@@ -148,6 +148,12 @@ def test_int8_weights_convert_cache_and_generate_alike(tiny, tiny_cache, convert
     assert any(entry.name.endswith("-int8") for entry in (tiny_cache / "params").iterdir())
 
 
+def test_a_lone_surrogate_in_the_prompt_is_named(tiny, tiny_cache, converted, capsys):
+    """Bytes that are not UTF-8 reach argv as lone surrogates (surrogateescape): one line, exit 2."""
+    code, out, err = run(capsys, "generate", "tok\udcff1", "--no-chat", "--model", str(converted))
+    assert_one_line_error(code, out, err, "lone surrogate", "index 3")
+
+
 def test_convert_refuses_a_non_empty_output(tiny, converted, capsys):
     code, out, err = run(capsys, "convert", str(tiny["gguf"]), str(converted))
     assert_one_line_error(code, out, err, "already exists")
