@@ -86,6 +86,18 @@ def test_corrupt_cache_entry_is_rebuilt(tiny_gguf, count_dequantize, fresh_cache
     assert count_dequantize[0] == 0
 
 
+def test_a_stray_file_at_an_entry_path_is_replaced(tiny_gguf, count_dequantize, fresh_cache, caplog):
+    path, expected = tiny_gguf
+    entry = store.gguf_cache_entry(path)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    entry.write_bytes(b"not a directory")
+    fx.assert_params_equal(checkpoints.load_checkpoint(path).params, expected)
+    assert entry.is_dir() and "a file where a cache entry directory belongs" in caplog.text
+    count_dequantize[0] = 0
+    checkpoints.load_checkpoint(path)  # cached again
+    assert count_dequantize[0] == 0
+
+
 def test_interrupted_cache_write_leaves_no_entry(tiny_gguf, monkeypatch, count_dequantize, fresh_cache):
     path, expected = tiny_gguf
     entry = store.gguf_cache_entry(path)

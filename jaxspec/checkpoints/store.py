@@ -182,7 +182,11 @@ def _sweep_stale_tmp(root: pathlib.Path, max_age_s: float = 3600.0) -> None:
 
 
 def _restore_entry(entry: pathlib.Path | None, family: Family, cfg: Any, weight_format: WeightFormat) -> Any:
-    """A cache entry's params, or None when there is none; a damaged entry is removed."""
+    """A cache entry's params, or None when there is none; a damaged entry is removed, and so is a
+    stray file at the entry's path (else it would block every later write there)."""
+    if entry is not None and entry.exists() and not entry.is_dir():
+        logger.warning("replacing %s: a file where a cache entry directory belongs", entry)
+        entry.unlink()
     if entry is None or not entry.is_dir():
         return None
     try:
