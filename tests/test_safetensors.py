@@ -12,6 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 import ckpt_fixtures as fx
 from ckpt_fixtures import hf_dirs, isolated_cache  # noqa: F401 (fixtures)
+import jaxspec
 from jaxspec import checkpoints
 from jaxspec.config import config_from_hf
 from jaxspec.errors import CheckpointError, UnsupportedModelError
@@ -109,4 +110,17 @@ def test_a_shard_index_pointing_outside_the_directory_is_refused(hf_dirs, tmp_pa
     index["weight_map"][first] = escape
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=rf"shard .* of '{first}' lies outside"):
+        checkpoints.load_checkpoint(directory)
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", "abc"), ("num_attention_heads", 0),
+                                        ("rope_scaling", [1, 2]), ("eos_token_id", 2.5)])
+def test_a_config_value_of_the_wrong_type_is_a_checkpoint_error(hf_dirs, tmp_path, key, value):
+    """Never a raw ValueError / ZeroDivisionError / AttributeError from a config value: an error
+    naming config.json."""
+    directory = fx.copy_dir(hf_dirs["llama-untied"][0], tmp_path / "hf")
+    config = fx.hf_config(directory)
+    config[key] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(jaxspec.JaxspecError, match="config"):
         checkpoints.load_checkpoint(directory)

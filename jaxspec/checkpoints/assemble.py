@@ -10,6 +10,7 @@ the config.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 from collections.abc import Callable, Container
@@ -19,7 +20,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxspec.errors import CheckpointError
+from jaxspec.errors import CheckpointError, JaxspecError
 from jaxspec.models.family import TensorSource
 from jaxspec.models.params import is_shape
 
@@ -79,3 +80,17 @@ def to_jax(params: Any) -> Any:
     them instead of copying (~0.4 s saved on the default model's cached load).
     """
     return jax.device_put(params, may_alias=True)
+
+
+@contextlib.contextmanager
+def config_values_checked(source: Any):
+    """Turn what a config parse raises on a value of the wrong type or range (int("abc"), a
+    division by a zero head count, a list where a dict belongs) into a CheckpointError naming
+    `source`; jaxspec's own errors pass through."""
+    try:
+        yield
+    except JaxspecError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, KeyError, IndexError, AttributeError) as err:
+        raise CheckpointError(f"{source}: a config value has the wrong type or range ({type(err).__name__}: "
+                              f"{err})") from None

@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 
 from jaxspec import models
-from jaxspec.checkpoints.assemble import assemble_params
+from jaxspec.checkpoints.assemble import assemble_params, config_values_checked
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models.family import Family
 
@@ -308,7 +308,8 @@ def config_from_gguf(gf: GGUFFile) -> Any:
     """The family's config from GGUF metadata and tensor shapes."""
     family = gguf_family(gf)
     shapes = {name: info.shape for name, info in gf.tensors.items()}
-    return family.config_from_gguf(gf.metadata, shapes, str(gf.path))
+    with config_values_checked(gf.path):
+        return family.config_from_gguf(gf.metadata, shapes, str(gf.path))
 
 
 def gguf_tokenizer_metadata(gf: GGUFFile) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec import models
-from jaxspec.checkpoints.assemble import assemble_params
+from jaxspec.checkpoints.assemble import assemble_params, config_values_checked
 from jaxspec.checkpoints.resolve import HF_CONFIG
 from jaxspec.errors import CheckpointError
 from jaxspec.models.family import Family
@@ -138,7 +138,9 @@ def hf_family(directory: pathlib.Path) -> tuple[Family, Any]:
     if not isinstance(hf, dict):
         raise CheckpointError(f"{directory / HF_CONFIG} is not a JSON object")
     family = models.family_for_hf(hf)
-    return family, family.config_from_hf(hf)
+    with config_values_checked(directory / HF_CONFIG):
+        return family, family.config_from_hf(hf)
+
 
 
 def hf_prefix(family: Family, names: Mapping[str, Any], directory: pathlib.Path) -> str:
