@@ -4,7 +4,7 @@
     gguf          the GGUF parser; a family's config and params from a GGUF file
     safetensors   safetensors reading, HF weight files and HF directories
     assemble      `Checkpoint`, and a family's params assembled from named tensors
-    store         the orbax float32 weight cache, converted directories
+    store         the orbax weight cache (one entry per file and weight format), converted directories
     load          the entry points: load_checkpoint, info, convert
     heads         EAGLE-3 heads and the two MTP head formats
 
