@@ -272,9 +272,10 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
     # Decode attention reads all S slots every step, so S is the prompt bucket plus a bucket of
     # the new tokens plus k, not a power of two of the sum (1024 + 132 would become 2048).
-    # A round writes k + 1 slots, padded to the weights' token lanes (LoopSpec.round_width).
+    # A round writes k + 1 slots, padded to the weights' token lanes (LoopSpec.round_width). The
+    # Qwen3.5 hybrid is not padded: its recorded-state ring holds k + 2 steps, not the filler.
     lanes = quant.token_lanes(model.params) if isinstance(cfg, ModelConfig) else 1
-    round_width = -(-(k + 1) // lanes) * lanes
+    round_width = loop.padded_tokens(k + 1, 1, lanes)
     capacity = min(prompt_bucket + _bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET) + round_width - 1,
                    cfg.max_position_embeddings)
     padded = np.zeros((batch, prompt_bucket), np.int32)

@@ -25,10 +25,12 @@ The formats:
   around the products does, by an ulp, and an ulp can flip an int8 rounding: so decode forwards
   over int8 (and bf16) weights are padded to TOKEN_LANES tokens (jaxspec.spec.loop), and then a
   position's logits are bitwise the same in a step as inside a verify. (Per-block activation
-  scales, the other cure for outliers, need a batched product per block, ~2x slower here.) On XLA CPU the int8 product streams its 4x smaller
-  weights at the float32 rate and costs nearly the same for 2..9 tokens, but a single column
-  takes a slow matrix-vector path, so one-column products are padded to two. On GPU the product
-  is W8A16 (jaxspec.pallas.int8_matmul): weights converted to bfloat16 on the way in.
+  scales, the other cure for outliers, need a batched product per block, ~2x slower here.)
+  On XLA CPU a one-column int8 product takes a slow matrix-vector path, so one-column products
+  are padded to two. At 2..8 tokens an int8 forward of the default model takes 0.6-0.8 of
+  float32's time (bench/tcost.py): XLA's int8 dot is far from streaming 4x fewer bytes 4x faster.
+  On GPU the product is W8A16 (jaxspec.pallas.int8_matmul): weights converted to bfloat16 on the
+  way in.
 - "auto": f32 on CPU, bf16 on GPU and TPU (`WeightFormat.resolve`).
 """
 
@@ -45,6 +47,7 @@ from flax import struct
 
 from jaxspec.choice import Choice
 from jaxspec.errors import InvalidRequestError
+from jaxspec.models.params import is_shape
 
 INT8_MAX = 127  # symmetric: codes in [-127, 127], so negation never overflows
 # XLA CPU vectorizes elementwise work and reductions across the token axis (the minor one in the
@@ -281,8 +284,6 @@ def format_of(params: Any) -> WeightFormat:
 def shape_structs(shapes: Any, fmt: WeightFormat) -> Any:
     """A params tree of shape tuples -> the `jax.ShapeDtypeStruct` tree of `fmt`'s arrays (what
     a stored entry of that format holds): linear leaves as `fmt` stores them, the rest float32."""
-    from jaxspec.models.params import is_shape
-
     fmt = fmt.resolve()
 
     def linear(shape: tuple[int, ...] | None) -> Any:

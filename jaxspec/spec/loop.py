@@ -65,8 +65,8 @@ class LoopSpec:
         return 0 if self.proposer is None else self.proposer.num_draft
 
     @property
-    def round_width(self) -> int:  # cache slots a round may write: k + 1, padded (at most) to token_lanes
-        return -(-(self.num_draft + 1) // self.token_lanes) * self.token_lanes
+    def round_width(self) -> int:  # cache slots a round may write: k + 1 padded, at batch 1 (the most)
+        return padded_tokens(self.num_draft + 1, 1, self.token_lanes)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:  # what the proposer reads from each target forward
@@ -189,6 +189,15 @@ def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
     return state.replace(tokens=tokens, num_generated=num_generated, finish_reason=finish_reason, seen=seen)
 
 
+def padded_tokens(tokens: int, batch: int, lanes: int) -> int:
+    """The fewest tokens per row, at least `tokens`, for which a forward's batch * T tokens fill
+    whole groups of `lanes` (batch 8 needs no filler at T = 1)."""
+    padded = tokens
+    while batch * padded % lanes:
+        padded += 1
+    return padded
+
+
 def _check_capacity(state: DecodeState, spec: LoopSpec) -> DecodeState:
     """A row whose next round (`round_width` cache slots) would not fit is done ("capacity")."""
     full = state.running & (state.cache.length + spec.round_width > spec.capacity)
@@ -262,16 +271,15 @@ def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, drafts
     """
     batch, width = drafts.shape
     verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, w+1]
-    # Filler tokens after the real ones until the forward's B * T tokens fill whole vector lanes
-    # (LoopSpec.token_lanes; batch 8 needs none at T = 1). Their K/V land past every row's
-    # length, where the next round overwrites them.
-    padded = width + 1
-    while batch * padded % spec.token_lanes:
-        padded += 1
-    logits, hiddens, cache = models.forward(
-        params, spec.cfg, jnp.pad(verify_tokens, ((0, 0), (0, padded - width - 1))), state.cache,
-        logit_indices=jnp.broadcast_to(jnp.arange(width + 1, dtype=jnp.int32), (batch, width + 1)),
-        hidden_layers=spec.hidden_layers, **spec.forward_options)
+    # Filler tokens after the real ones (LoopSpec.token_lanes). Their K/V land past every row's
+    # length, where the next round overwrites them; only the real tokens get logits.
+    filler = padded_tokens(width + 1, batch, spec.token_lanes) - (width + 1)
+    logit_indices = None
+    if filler:
+        verify_tokens = jnp.pad(verify_tokens, ((0, 0), (0, filler)))
+        logit_indices = jnp.broadcast_to(jnp.arange(width + 1, dtype=jnp.int32), (batch, width + 1))
+    logits, hiddens, cache = models.forward(params, spec.cfg, verify_tokens, state.cache, logit_indices=logit_indices,
+                                            hidden_layers=spec.hidden_layers, **spec.forward_options)
     hiddens = tuple(h[:, :width + 1] for h in hiddens)
     if width == 0:
         committed = select(logits[:, 0], request.sampling, spec.sampler, key, state.seen)[:, None]
