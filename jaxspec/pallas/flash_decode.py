@@ -4,6 +4,11 @@ Every query of row b attends to that row's cache slots up to its own: query t si
 `lengths[b] + t` (its K/V already written there) and sees slots s <= lengths[b] + t, which is
 causal within the T new tokens. Query heads share kv heads in groups of G = N / K (GQA).
 
+A draft tree's verify replaces the causal rule with a `TreeMask`: every slot before the mask's
+`start` (the committed context) is visible, and of the M window slots from `start` on, query t
+sees those its row's `visible[t]` marks (its ancestors and itself). The tree's tokens sit in
+those window slots in any order the caller chose; only the mask says who sees whom.
+
 `flash_decode` is the Pallas kernel: one program per (row, kv head, split of S) holds that kv
 head's G*T queries as one tile, walks its split in blocks of `block_s` slots with an online
 softmax, stops at the last slot any of its queries can see (a short row reads little of a long
@@ -22,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax.experimental import pallas as pl
 
 from jaxspec.choice import Choice
@@ -41,6 +47,34 @@ class Attention(Choice):
     REFERENCE = "reference"  # flash_decode_reference (XLA)
     PALLAS = "pallas"  # the Pallas kernel, compiled natively (GPU)
     INTERPRET = "interpret"  # the Pallas kernel in the Pallas interpreter (tests on CPU)
+
+
+@struct.dataclass
+class TreeMask:
+    """Tree attention: which slots of a window each of the T new queries of a row sees.
+
+    Slots before `start` are all visible (committed context); window slot `start + m`
+    (m < M) is visible to query t iff `visible[b, t, m]`; slots from `start + M` on never are.
+    A verify over [pending] + N tree nodes written at `length + i` has start = length and
+    visible[t, i] = "node i is t or an ancestor of t".
+    """
+
+    start: jax.Array  # int32[B]: the window's first slot
+    visible: jax.Array  # bool[B, T, M]
+
+
+def mask_visible(mask: TreeMask | None, lengths: jax.Array, steps: int, slots: jax.Array) -> jax.Array:
+    """bool[B, T, X]: whether query t of each row sees each of `slots` int32[X] (the causal rule
+    `slot <= lengths + t` without a mask)."""
+    if mask is None:
+        query_slot = lengths[:, None] + jnp.arange(steps)[None, :]  # [B, T]
+        return slots[None, None, :] <= query_slot[:, :, None]
+    window = mask.visible.shape[-1]
+    offset = slots[None, :] - mask.start[:, None]  # [B, X]: slot's index in the window
+    in_window = (offset >= 0) & (offset < window)
+    picked = jnp.take_along_axis(mask.visible, jnp.clip(offset, 0, window - 1)[:, None, :].repeat(steps, 1),
+                                 axis=2)  # [B, T, X]
+    return (offset < 0)[:, None, :] | (in_window[:, None, :] & picked)
 
 
 def resolve_attention(attention: Attention | str) -> Attention:
@@ -87,19 +121,21 @@ def _ungrouped(out: jax.Array, steps: int) -> jax.Array:
 # --- reference ---------------------------------------------------------------------------------
 
 def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
-                           block_s: int = 0, split_size: int = 0, interpret: bool = False) -> jax.Array:
+                           mask: TreeMask | None = None, block_s: int = 0, split_size: int = 0,
+                           interpret: bool = False) -> jax.Array:
     """Masked softmax attention in float32 jnp: the whole cache, dequantized, in two einsums.
 
-    q: [B, T, K, G, H]; keys, values: [B, K, S, H] in any KV format; lengths: int32[B].
-    Returns float32 [B, T, K, G, H]. block_s, split_size, interpret: kernel tiling, ignored here.
+    q: [B, T, K, G, H]; keys, values: [B, K, S, H] in any KV format; lengths: int32[B];
+    mask: a `TreeMask` in place of the causal rule. Returns float32 [B, T, K, G, H].
+    block_s, split_size, interpret: kernel tiling, ignored here.
     """
     del block_s, split_size, interpret
     batch, steps, num_kv_heads, group, capacity, head_dim = _check_inputs(q, keys, values, lengths)
     keys, values = kv_quant.dequantize(keys), kv_quant.dequantize(values)  # [B, K, S, H]
     queries = _grouped(q.astype(jnp.float32))  # [B, K, G*T, H]
     scores = jnp.einsum("BKQH,BKSH->BKQS", queries * (1.0 / math.sqrt(head_dim)), keys)
-    slot = lengths[:, None] + jnp.arange(steps)[None, :]  # [B, T]: each query's own slot
-    visible = jnp.arange(capacity)[None, None, :] <= jnp.tile(slot, (1, group))[:, :, None]  # [B, G*T, S]
+    visible = mask_visible(mask, lengths, steps, jnp.arange(capacity))  # [B, T, S]
+    visible = jnp.tile(visible, (1, group, 1))  # [B, G*T, S]: rows (g, t)
     scores = jnp.where(visible[:, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BKQS,BKSH->BKQH", probs, values)
@@ -258,7 +294,7 @@ def _flash_decode_pallas(q, keys, values, lengths, *, block_s, split_size, inter
     return _ungrouped(out[:, :, :rows], steps)
 
 
-def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
+def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, mask: TreeMask | None = None,
                  block_s: int = 64, split_size: int = 512, interpret: bool = False) -> jax.Array:
     """Attention of T queries per row over the cache, as a Pallas kernel.
 
@@ -271,6 +307,8 @@ def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array,
     if block_s < 1 or split_size < 1:
         raise InvalidRequestError(f"{block_s=} and {split_size=} must be >= 1")
     kv_quant.check_backend(interpret, "flash_decode")
+    if mask is not None:
+        raise NotImplementedError("tree masks in the kernel: in progress")
     return _flash_decode_pallas(q, keys, values, lengths, block_s=block_s, split_size=split_size,
                                 interpret=interpret)
 
@@ -284,7 +322,7 @@ def _path(attention: Attention | str, head_dim: int, capacity: int) -> Attention
     return resolved
 
 
-def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
+def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, mask: TreeMask | None = None,
            attention: Attention | str = Attention.AUTO) -> jax.Array:
     """The one dispatch: `flash_decode` or `flash_decode_reference` per the switch.
 
@@ -293,10 +331,10 @@ def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
     if q.shape[1] * q.shape[3] > MAX_KERNEL_QUERIES:
         path = Attention.REFERENCE
     if path is Attention.PALLAS:
-        return flash_decode(q, keys, values, lengths)
+        return flash_decode(q, keys, values, lengths, mask=mask)
     if path is Attention.INTERPRET:
-        return flash_decode(q, keys, values, lengths, block_s=16, split_size=64, interpret=True)
-    return flash_decode_reference(q, keys, values, lengths)
+        return flash_decode(q, keys, values, lengths, mask=mask, block_s=16, split_size=64, interpret=True)
+    return flash_decode_reference(q, keys, values, lengths, mask=mask)
 
 
 def quantize_for(attention: Attention | str, head_dim: int, capacity: int):
