@@ -258,9 +258,18 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     k = speculation.num_draft
     rows = prompt_ids(prompt, model, options.chat)
     longest, max_new_tokens = max(len(r) for r in rows), int(options.max_new_tokens)
+    # A round writes k + 1 slots (a tree: 1 + num_nodes, or its drafter's scratch slots),
+    # padded to the weights' token lanes (LoopSpec.round_width). The Qwen3.5 hybrid is not
+    # padded: its recorded-state ring holds k + 2 steps, not the filler.
+    lanes = quant.token_lanes(model.params) if isinstance(cfg, ModelConfig) else 1
+    round_width = loop.LoopSpec(cfg=cfg, capacity=0, sampler=sampler, proposer=speculation.proposer,
+                                token_lanes=lanes).round_width
+    reach = k if options.tree is None else round_width - 1
     for whose, context in speculation.context_limits(model):
-        if longest + max_new_tokens + k > context:
+        if longest + max_new_tokens + reach > context:
             drafts = f" + num_draft_tokens ({k})" if k else ""
+            if options.tree is not None:
+                drafts = f" + the tree's {reach} slots per round (tree {options.tree})"
             raise InvalidRequestError(
                 f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}){drafts} exceeds the {whose} "
                 f"context of {context} tokens")
@@ -271,11 +280,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     stop_ids[: len(stop_token_ids)] = stop_token_ids
     prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
     # Decode attention reads all S slots every step, so S is the prompt bucket plus a bucket of
-    # the new tokens plus k, not a power of two of the sum (1024 + 132 would become 2048).
-    # A round writes k + 1 slots, padded to the weights' token lanes (LoopSpec.round_width). The
-    # Qwen3.5 hybrid is not padded: its recorded-state ring holds k + 2 steps, not the filler.
-    lanes = quant.token_lanes(model.params) if isinstance(cfg, ModelConfig) else 1
-    round_width = loop.padded_tokens(k + 1, 1, lanes)
+    # the new tokens plus a round's width, not a power of two of the sum (1024 + 132 would become 2048).
     capacity = min(prompt_bucket + _bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET) + round_width - 1,
                    cfg.max_position_embeddings)
     padded = np.zeros((batch, prompt_bucket), np.int32)
