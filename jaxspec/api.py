@@ -102,7 +102,7 @@ class SpecStats:
     time is reported apart. With no proposer, rounds are plain decode steps (tau = 1)."""
 
     method: str  # a Method value: "plain", "ngram", "draft", "layer_skip", "eagle3" or "mtp"
-    num_draft_tokens: int  # k
+    num_draft_tokens: int  # k: the most drafts a round accepts (a tree's depth)
     rows: int
     prompt_tokens: int
     new_tokens: int
@@ -114,7 +114,14 @@ class SpecStats:
     proposed: int  # real draft tokens proposed, summed over rows and rounds
     accepted: int  # draft tokens accepted
     multi_token_rounds: int  # rounds that committed more than one token
-    acceptance_by_position: tuple[float, ...]  # P(draft i accepted | proposed), i = 1..k
+    acceptance_by_position: tuple[float, ...]  # P(draft i accepted | proposed), i = 1..k (a tree: depth i reached)
+    accepted_depths: tuple[int, ...] = ()  # rounds (summed over rows) that accepted exactly n drafts, n = 0..k
+    tree: str | None = None  # the draft tree's "depth,top_k,num_nodes"; None: a chain of k
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafts accepted per round (tau - 1): a tree's accepted depth."""
+        return self.accepted / self.rounds if self.rounds else math.nan
 
     @property
     def decode_tokens(self) -> int:
@@ -207,6 +214,8 @@ class Prepared:
         batch, prompt_bucket = self.request.prompt.shape
         method = self.speculation.method.value
         k = f" k={self.spec.num_draft}" if self.spec.num_draft else ""
+        if self.spec.tree is not None:
+            k = f" tree {self.spec.tree}"
         return f"{method}{k}, batch {batch}, prompts up to {prompt_bucket} tokens, {self.spec.capacity} cache slots"
 
 
@@ -331,6 +340,8 @@ def _stats(prepared: Prepared, state: loop.DecodeState, *, prefill_seconds, deco
         accepted=int(counters.accepted.sum()),
         multi_token_rounds=int(counters.multi_token_rounds.sum()),
         acceptance_by_position=tuple(float(a / p) if p else math.nan for a, p in zip(accepted_at, proposed_at)),
+        accepted_depths=tuple(int(n) for n in counters.accepted_hist),
+        tree=None if prepared.spec.tree is None else str(prepared.spec.tree),
     )
 
 
