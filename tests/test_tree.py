@@ -72,6 +72,15 @@ def test_draft_tree_parse_refuses_anything_else_naming_the_tree(value):
     assert repr(value) in str(error.value)
 
 
+def test_draft_tree_takes_numpy_integers_as_python_ints():
+    """Like every other count in a request (jaxspec.errors.is_integer); stored as Python ints, so
+    the tree is the same static jit argument however it was given."""
+    parsed = DraftTree.parse(tuple(np.array([3, 2, 6])))
+    assert parsed == DraftTree(3, 2, 6) and hash(parsed) == hash(DraftTree(3, 2, 6))
+    assert all(type(value) is int for value in dataclasses.astuple(parsed))
+    assert str(parsed) == "3,2,6"
+
+
 def test_parse_checks_the_fields_too():
     with pytest.raises(InvalidRequestError, match="DraftTree num_nodes"):
         DraftTree.parse("2,2,7")
@@ -170,7 +179,6 @@ def random_continuations(seed: int, batch: int, count: int, span: int) -> tuple[
     continuations[::2, -1] = continuations[::2, 0]  # a duplicate continuation
     continuations[1::2, 1, :2] = continuations[1::2, 0, :2]  # a shared prefix of two, then they part
     real_lengths = rng.integers(0, span + 1, (batch, count))
-    real_lengths[:, 0] = np.maximum(real_lengths[:, 0], 1)
     real = np.arange(span)[None, None, :] < real_lengths[:, :, None]
     continuations = np.where(real, continuations, 7)  # past the real length: junk that must be ignored
     return continuations, real
