@@ -146,6 +146,27 @@ def test_verify_mask_without_filler_is_the_ancestor_mask():
     chex.assert_trees_all_equal(mask.visible, ancestor_mask(parents, 5))
 
 
+def test_positional_seen_adds_each_nodes_ancestors_and_itself():
+    """The repetition-penalty context at verify index v: the committed tokens, the path's drafts
+    down to v (the root's token, pending, is committed already)."""
+    parents = random_parents(np.random.default_rng(3), batch=3, nodes=6)
+    tokens = np.random.default_rng(4).integers(0, 10, (3, 7))  # [B, 1+N]
+    seen = np.random.default_rng(5).random((3, 10)) < 0.2  # [B, V]
+    ancestors = np.stack([brute_ancestors(row) for row in parents])
+    got = np.asarray(tree.positional_seen(jnp.asarray(seen), jnp.asarray(tokens, jnp.int32), jnp.asarray(ancestors)))
+    for row in range(3):
+        for v in range(7):
+            expected = seen[row].copy()
+            expected[tokens[row, np.flatnonzero(ancestors[row, v])]] = True
+            np.testing.assert_array_equal(got[row, v], expected)
+
+
+def test_gather_path_picks_each_rows_verify_indices():
+    values = jnp.arange(2 * 5 * 3, dtype=jnp.float32).reshape(2, 5, 3)  # [B, 1+N, D]
+    path = jnp.array([[0, 2, 4], [0, 1, 0]])
+    chex.assert_trees_all_equal(tree.gather_path(values, path), jnp.stack([values[0, [0, 2, 4]], values[1, [0, 1, 0]]]))
+
+
 # ----------------------------------------------------------------------------------------------
 # The trie of prompt lookup's continuations
 # ----------------------------------------------------------------------------------------------
@@ -173,20 +194,26 @@ def reference_trie(continuations: np.ndarray, real: np.ndarray, num_nodes: int) 
 
 def random_continuations(seed: int, batch: int, count: int, span: int) -> tuple[np.ndarray, np.ndarray]:
     """Continuations over 3 tokens (so prefixes are often shared), some rows repeating their best
-    one, each cut to a random real length (0 .. span): real is prefix-closed."""
+    one or sharing its first two tokens, each cut to a random real length (0 .. span): real is prefix-closed."""
     rng = np.random.default_rng(seed)
     continuations = rng.integers(0, 3, (batch, count, span)).astype(np.int32)
-    continuations[::2, -1] = continuations[::2, 0]  # a duplicate continuation
-    continuations[1::2, 1, :2] = continuations[1::2, 0, :2]  # a shared prefix of two, then they part
+    if count > 1:
+        continuations[::2, -1] = continuations[::2, 0]  # a duplicate continuation
+        continuations[1::2, 1, :2] = continuations[1::2, 0, :2]  # a shared prefix of two, then they part
     real_lengths = rng.integers(0, span + 1, (batch, count))
     real = np.arange(span)[None, None, :] < real_lengths[:, :, None]
     continuations = np.where(real, continuations, 7)  # past the real length: junk that must be ignored
     return continuations, real
 
 
-@pytest.mark.parametrize("num_nodes", [20, 6, 1])  # 20: every node kept (M * D); 6 and 1: truncated
-def test_trie_matches_a_plain_python_trie(num_nodes):
-    continuations, real = random_continuations(num_nodes, batch=6, count=4, span=5)
+@pytest.mark.parametrize("count, span, num_nodes", [
+    (4, 5, 20),  # every node kept (M * D)
+    (4, 5, 6), (4, 5, 1),  # truncated
+    (3, 1, 3),  # depth 1: the matches' first tokens, merged
+    (1, 4, 4),  # one match: a chain
+])
+def test_trie_matches_a_plain_python_trie(count, span, num_nodes):
+    continuations, real = random_continuations(num_nodes, batch=6, count=count, span=span)
     drafts, parents, num_proposed = trie(jnp.asarray(continuations), jnp.asarray(real), num_nodes)
     chex.assert_shape((drafts, parents), (6, num_nodes))
     drafts, parents, num_proposed = map(np.asarray, (drafts, parents, num_proposed))
@@ -431,8 +458,10 @@ class Candidate:
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    logits = logits.astype(np.float64)
-    return logits - logits.max() - np.log(np.sum(np.exp(logits - logits.max())))
+    """In float32, as grow scores: ties a drafter makes (a uniform or a certain distribution)
+    stay exact ties in both."""
+    shifted = logits.astype(np.float32) - logits.max()
+    return shifted - np.log(np.sum(np.exp(shifted)))
 
 
 def best(scores, count: int) -> list[int]:
@@ -473,14 +502,27 @@ def reference_grow(shape: DraftTree, root_logits: np.ndarray, table: np.ndarray,
     return drafts, parents, [candidates[c].slot for c in kept], expansions
 
 
-@pytest.mark.parametrize("depth, top_k, num_nodes", [(1, 3, 2), (3, 1, 3), (3, 2, 7), (2, 2, 6), (4, 3, 12)])
-def test_grow_matches_a_plain_python_eagle2(depth, top_k, num_nodes):
+def drafter_logits(drafter: str, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """random: no ties; uniform: every candidate of a depth ties (top_k takes the lower index);
+    certain: each node's best child scores exactly its parent (log-probability 0 in float32)."""
+    if drafter == "random":
+        return rng.normal(size=shape).astype(np.float32) * 2
+    if drafter == "uniform":
+        return np.zeros(shape, np.float32)
+    return np.eye(shape[-1], dtype=np.float32)[rng.integers(0, shape[-1], shape[:-1])] * 100
+
+
+@pytest.mark.parametrize("depth, top_k, num_nodes, drafter", [
+    (1, 3, 2, "random"), (3, 1, 3, "random"), (3, 2, 7, "random"), (2, 2, 6, "random"), (4, 3, 12, "random"),
+    (3, 2, 10, "uniform"), (4, 3, 12, "certain"),
+])
+def test_grow_matches_a_plain_python_eagle2(depth, top_k, num_nodes, drafter):
     shape = DraftTree(depth, top_k, num_nodes)
     batch = 3
     rng = np.random.default_rng(depth * 10 + top_k)
-    root_logits = rng.normal(size=(batch, DRAFT_VOCAB)).astype(np.float32) * 2
+    root_logits = drafter_logits(drafter, rng, (batch, DRAFT_VOCAB))
     # The drafter's next-token logits depend only on the frontier token and the level.
-    table = rng.normal(size=(depth, TARGET_VOCAB, DRAFT_VOCAB)).astype(np.float32) * 2
+    table = drafter_logits(drafter, rng, (depth, TARGET_VOCAB, DRAFT_VOCAB))
     root_carry = 1000 + np.arange(batch)
 
     def expand(calls, tokens, carry, level, mask):
