@@ -181,10 +181,11 @@ def _moved(before: KVCache, sources: np.ndarray, destination: np.ndarray) -> tup
     """What every packed leaf of every K/V buffer must hold after moving each row's slots
     `sources[b]` to `destination[b] + 0 .. P - 1`: computed slot by slot in numpy."""
     def move(leaf):  # [B, K, S, X]
-        expected = np.array(leaf)
+        original = np.asarray(leaf)
+        expected = original.copy()
         for row, row_sources in enumerate(sources):
             for i, source in enumerate(row_sources):
-                expected[row, :, destination[row] + i] = np.asarray(leaf)[row, :, source]
+                expected[row, :, destination[row] + i] = original[row, :, source]
         return expected
 
     return jax.tree.map(move, (before.keys, before.values))

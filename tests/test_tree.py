@@ -194,7 +194,8 @@ def reference_trie(continuations: np.ndarray, real: np.ndarray, num_nodes: int) 
 
 def random_continuations(seed: int, batch: int, count: int, span: int) -> tuple[np.ndarray, np.ndarray]:
     """Continuations over 3 tokens (so prefixes are often shared), some rows repeating their best
-    one or sharing its first two tokens, each cut to a random real length (0 .. span): real is prefix-closed."""
+    one or sharing its first two tokens, each cut to a random real length (0 .. span): real is
+    prefix-closed."""
     rng = np.random.default_rng(seed)
     continuations = rng.integers(0, 3, (batch, count, span)).astype(np.int32)
     if count > 1:
@@ -219,14 +220,14 @@ def test_trie_matches_a_plain_python_trie(count, span, num_nodes):
     drafts, parents, num_proposed = map(np.asarray, (drafts, parents, num_proposed))
     for row in range(6):
         expected_drafts, expected_parents = reference_trie(continuations[row], real[row], num_nodes)
-        count = len(expected_drafts)
-        assert num_proposed[row] == count
-        np.testing.assert_array_equal(drafts[row, :count], expected_drafts)
-        np.testing.assert_array_equal(parents[row, :count], expected_parents)
+        real_nodes = len(expected_drafts)
+        assert num_proposed[row] == real_nodes
+        np.testing.assert_array_equal(drafts[row, :real_nodes], expected_drafts)
+        np.testing.assert_array_equal(parents[row, :real_nodes], expected_parents)
         # Padding keeps the structure valid: parents before children everywhere.
         assert np.all(parents[row] < np.arange(1, num_nodes + 1)) and np.all(parents[row] >= 0)
-        siblings = {(int(p), int(t)) for p, t in zip(parents[row, :count], drafts[row, :count])}
-        assert len(siblings) == count  # no two children of one node carry the same token
+        siblings = {(int(p), int(t)) for p, t in zip(parents[row, :real_nodes], drafts[row, :real_nodes])}
+        assert len(siblings) == real_nodes  # no two children of one node carry the same token
 
 
 def test_trie_of_identical_continuations_is_one_chain():
@@ -412,7 +413,7 @@ def sampled_counts(breakage=None) -> np.ndarray:
 def test_rejection_sample_commits_the_targets_distribution():
     counts = sampled_counts()
     expected = exact_committed_distribution(sampled_target_probs())
-    assert counts[:, :, :, END].sum() < SAMPLES  # some rows accept all the way down
+    assert counts[..., END].sum() < SAMPLES  # some rows accept all the way down
     p_value = chi_square_p_value(counts, expected)
     assert p_value > SIGNIFICANCE, f"tree sampling differs from the target's distribution: p = {p_value:.2e}"
 
