@@ -27,6 +27,7 @@ from tests.test_spec_sampling import SIGNIFICANCE, chi_square_p_value
 # its many small ops eagerly, each compiled on first use.
 ancestor_mask = jax.jit(tree.ancestor_mask, static_argnums=1)
 node_depths = jax.jit(tree.node_depths, static_argnums=1)
+verify_mask = jax.jit(tree.verify_mask, static_argnums=(1, 3))
 trie = jax.jit(tree.trie, static_argnums=2)
 greedy_accept = jax.jit(tree.greedy_accept, static_argnames="depth")
 
@@ -131,7 +132,7 @@ def test_verify_mask_filler_tokens_see_only_themselves():
     parents = jnp.array([[0, 1, 0], [0, 0, 2]])  # [B, N = 3]
     start = jnp.array([4, 9])
     steps = 7  # [pending] + 3 nodes, then 3 filler tokens up to the token lanes
-    mask = tree.verify_mask(parents, 2, start, steps)
+    mask = verify_mask(parents, 2, start, steps)
     chex.assert_shape(mask.visible, (2, steps, steps))
     chex.assert_trees_all_equal(mask.start, start)
     chex.assert_trees_all_equal(mask.visible[:, :4, :4], ancestor_mask(parents, 2))
@@ -142,7 +143,7 @@ def test_verify_mask_filler_tokens_see_only_themselves():
 
 def test_verify_mask_without_filler_is_the_ancestor_mask():
     parents = jnp.asarray(random_parents(np.random.default_rng(0), batch=2, nodes=5))
-    mask = tree.verify_mask(parents, 5, jnp.zeros((2,), jnp.int32), 6)
+    mask = verify_mask(parents, 5, jnp.zeros((2,), jnp.int32), 6)
     chex.assert_trees_all_equal(mask.visible, ancestor_mask(parents, 5))
 
 
@@ -251,8 +252,8 @@ VOCAB = 8
 
 def logits_with_argmax(argmax) -> jax.Array:
     """[B, 1+N, V] logits whose argmax at each verify index is `argmax` [B, 1+N]."""
-    noise = jax.random.uniform(jax.random.PRNGKey(0), np.shape(argmax) + (VOCAB,))
-    return jax.nn.one_hot(jnp.asarray(argmax), VOCAB) * 5.0 + noise
+    noise = np.random.default_rng(0).random(np.shape(argmax) + (VOCAB,))
+    return jnp.asarray(np.eye(VOCAB)[np.asarray(argmax)] * 5.0 + noise, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,31 +298,28 @@ GREEDY_CASES = {
 }
 
 
-class GreedyAcceptTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_hand_built_trees(self):
-        accept = self.variant(tree.greedy_accept, static_argnames="depth")
-        for depth, cases in GREEDY_CASES.items():
-            # One batch per depth, every row padded to the same N with padding nodes (token 0 under
-            # the root, argmax 0 there): never accepted, whatever they match.
-            nodes = max(len(case.drafts) for case in cases.values())
+def test_greedy_accept_on_hand_built_trees():
+    for depth, cases in GREEDY_CASES.items():
+        # One batch per depth, every row padded to the same N with padding nodes (token 0 under
+        # the root, argmax 0 there): never accepted, whatever they match.
+        nodes = max(len(case.drafts) for case in cases.values())
 
-            def padded(values, size=nodes):
-                return list(values) + [0] * (size - len(values))
+        def padded(values, size=nodes):
+            return list(values) + [0] * (size - len(values))
 
-            outcome = accept(jnp.array([case.pending for case in cases.values()]),
-                             jnp.array([padded(case.drafts) for case in cases.values()]),
-                             jnp.array([padded(case.parents) for case in cases.values()]),
-                             jnp.array([case.num_proposed for case in cases.values()]),
-                             logits_with_argmax([padded(case.argmax, nodes + 1) for case in cases.values()]),
-                             depth=depth)
-            chex.assert_shape((outcome.path, outcome.committed), (len(cases), depth + 1))
-            for row, (name, case) in enumerate(cases.items()):
-                # Past the accepted node, path and committed are padding: only the first n + 1 count.
-                accepted = int(outcome.accepted[row])
-                assert accepted == case.accepted, name
-                assert outcome.path[row, :accepted + 1].tolist() == list(case.path), name
-                assert outcome.committed[row, :accepted + 1].tolist() == list(case.committed), name
+        outcome = jax.device_get(greedy_accept(jnp.array([case.pending for case in cases.values()]),
+                                jnp.array([padded(case.drafts) for case in cases.values()]),
+                                jnp.array([padded(case.parents) for case in cases.values()]),
+                                jnp.array([case.num_proposed for case in cases.values()]),
+                                logits_with_argmax([padded(case.argmax, nodes + 1) for case in cases.values()]),
+                                depth=depth))
+        chex.assert_shape((outcome.path, outcome.committed), (len(cases), depth + 1))
+        for row, (name, case) in enumerate(cases.items()):
+            # Past the accepted node, path and committed are padding: only the first n + 1 count.
+            accepted = int(outcome.accepted[row])
+            assert accepted == case.accepted, name
+            assert outcome.path[row, :accepted + 1].tolist() == list(case.path), name
+            assert outcome.committed[row, :accepted + 1].tolist() == list(case.committed), name
 
 
 def test_greedy_accept_on_a_chain_equals_the_chain_verifier():
@@ -335,8 +333,9 @@ def test_greedy_accept_on_a_chain_equals_the_chain_verifier():
     num_proposed = jnp.asarray(rng.integers(0, k + 1, batch), jnp.int32)
     chain_parents = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))  # node v's parent: v - 1
     pending = jnp.asarray(rng.integers(0, VOCAB, batch), jnp.int32)
-    outcome = greedy_accept(pending, jnp.asarray(drafts, jnp.int32), chain_parents, num_proposed, logits, depth=k)
-    accepted, committed = verify.greedy_accept(jnp.asarray(drafts, jnp.int32), num_proposed, logits)
+    outcome = jax.device_get(
+        greedy_accept(pending, jnp.asarray(drafts, jnp.int32), chain_parents, num_proposed, logits, depth=k))
+    accepted, committed = jax.device_get(verify.greedy_accept(jnp.asarray(drafts, jnp.int32), num_proposed, logits))
     chex.assert_trees_all_equal(outcome.accepted, accepted)
     assert len(set(accepted.tolist())) > 2  # the rows cover several outcomes
     for row, n in enumerate(accepted.tolist()):
@@ -416,6 +415,33 @@ def test_rejection_sample_commits_the_targets_distribution():
     assert counts[..., END].sum() < SAMPLES  # some rows accept all the way down
     p_value = chi_square_p_value(counts, expected)
     assert p_value > SIGNIFICANCE, f"tree sampling differs from the target's distribution: p = {p_value:.2e}"
+
+
+def test_rejection_sample_corner_cases_are_certain():
+    """Point-mass and all-children targets, no draws left to chance. The tree: root -> {1: token 1,
+    2: token 2 -> {3: token 4}}, depth 2; 100 rows of each case."""
+    one_hot = np.eye(SAMPLED_VOCAB)
+    cases = [  # (num_proposed, p at verify indices 0 .. 3, the committed tokens every row must get)
+        # p puts nothing on node 1 and everything on node 2: node 2 always; its child 4 has p = 0,
+        # so the bonus comes from p at node 2 without 4: token 5.
+        (3, [one_hot[2], one_hot[0], one_hot[5], one_hot[3]], {(2, 5)}),
+        # The root's children hold all of p: one is always accepted (the residual is never drawn
+        # from nothing), then node 2's only child is certain too.
+        (3, [(one_hot[1] + one_hot[2]) / 2, one_hot[0], one_hot[4], one_hot[3]], {(1, 0), (2, 4, 3)}),
+        # Nothing proposed: p's certain token 1 is the bonus, though node 1 carries it.
+        (0, [one_hot[1], one_hot[0], one_hot[0], one_hot[0]], {(1,)}),
+    ]
+    rows = 100
+    num_proposed = jnp.repeat(jnp.array([case[0] for case in cases], jnp.int32), rows)
+    target_probs = jnp.repeat(jnp.asarray([case[1] for case in cases], jnp.float32), rows, axis=0)
+    batch = len(cases) * rows
+    outcome = rejection_sample(jnp.zeros((batch,), jnp.int32), jnp.broadcast_to(jnp.array([1, 2, 4]), (batch, 3)),
+                               jnp.broadcast_to(jnp.array([0, 0, 2]), (batch, 3)), num_proposed, target_probs,
+                               jax.random.PRNGKey(1), 2)
+    accepted, committed = np.asarray(outcome.accepted), np.asarray(outcome.committed)
+    for index, (_, _, allowed) in enumerate(cases):
+        got = {tuple(committed[row, :accepted[row] + 1].tolist()) for row in range(index * rows, (index + 1) * rows)}
+        assert got == allowed, index
 
 
 @jax.jit
@@ -533,7 +559,7 @@ def test_grow_matches_a_plain_python_eagle2(depth, top_k, num_nodes, drafter):
         return jnp.asarray(table)[level, tokens], tokens, calls  # each node's children carry its token
 
     grow = jax.jit(lambda root_logits, root_carry: tree.grow(shape, root_logits, root_carry, expand, to_target, ()))
-    grown, calls = grow(jnp.asarray(root_logits), jnp.asarray(root_carry))
+    grown, calls = jax.device_get(grow(jnp.asarray(root_logits), jnp.asarray(root_carry)))
     chex.assert_shape((grown.drafts, grown.parents, grown.scratch_slot), (batch, num_nodes))
     assert [int(call["level"]) for call in calls] == list(range(1, depth))
     for row in range(batch):
@@ -563,17 +589,17 @@ def test_grow_with_top_k_1_is_the_drafters_greedy_chain():
     shape = DraftTree(4, 1, 4)
     rng = np.random.default_rng(5)
     root_logits = rng.normal(size=(2, DRAFT_VOCAB)).astype(np.float32)
-    table = jnp.asarray(rng.normal(size=(4, TARGET_VOCAB, DRAFT_VOCAB)), jnp.float32)
+    table = rng.normal(size=(4, TARGET_VOCAB, DRAFT_VOCAB)).astype(np.float32)
 
     def expand(state, tokens, carry, level, mask):
-        return table[level, tokens], carry, state
+        return jnp.asarray(table)[level, tokens], carry, state
 
-    grown, _ = jax.jit(lambda root_logits: tree.grow(shape, root_logits, None, expand, to_target, None))(
-        jnp.asarray(root_logits))
+    grown, _ = jax.device_get(jax.jit(lambda root_logits: tree.grow(shape, root_logits, None, expand, to_target, None))(
+        jnp.asarray(root_logits)))
     for row in range(2):
         chain = [to_target(int(np.argmax(root_logits[row])))]
         for level in range(1, 4):
-            chain.append(to_target(int(jnp.argmax(table[level, chain[-1]]))))
+            chain.append(to_target(int(np.argmax(table[level, chain[-1]]))))
         assert grown.drafts[row].tolist() == chain
         assert grown.parents[row].tolist() == [0, 1, 2, 3]
         assert grown.scratch_slot[row].tolist() == [0, 1, 2, -1]
