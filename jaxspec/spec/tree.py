@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.errors import InvalidRequestError
+from jaxspec.errors import InvalidRequestError, is_integer
 from jaxspec.pallas.flash_decode import TreeMask
 
 MAX_TREE_NODES = 128  # a verify over more than this many tokens costs more than any tree repays
@@ -60,8 +60,11 @@ class DraftTree:
     def __post_init__(self):
         for name in ("depth", "top_k", "num_nodes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise InvalidRequestError(f"DraftTree {name} must be an integer >= 1; got {value!r}")
+            # A numpy integer becomes a Python int: the tree is a static jit argument, hashed and
+            # compared as the same tree however its fields were given.
+            object.__setattr__(self, name, int(value))
         if self.num_nodes < self.depth:
             raise InvalidRequestError(
                 f"DraftTree num_nodes ({self.num_nodes}) must be >= depth ({self.depth}): a tree of depth "
