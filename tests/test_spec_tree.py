@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxspec
@@ -26,8 +27,9 @@ from tests.test_cli import run, stats_lines, tiny, tiny_cache  # noqa: F401 (fix
 from tests.test_eagle3 import HEAD
 from tests.test_kv_quant import TINY32, random_params
 from tests.test_qwen35 import SPEC_CFG as HYBRID
-from tests.test_spec import PROMPTS, draft_model  # noqa: F401 (a fixture)
+from tests.test_spec import PROMPTS
 
+DRAFT = dataclasses.replace(TINY, num_layers=1, dim=32, num_heads=2, num_kv_heads=1, ffn_dim=48)  # test_spec's
 DEPTH_ONE, CHAIN, BUSHY = (1, 3, 3), (4, 1, 4), (3, 4, 12)
 SINGLE = PROMPTS[2]  # 21 tokens with repeats: prompt lookup finds matches
 NEW_TOKENS = 24
@@ -42,10 +44,28 @@ def plain(tiny_model):
 
 
 @pytest.fixture(scope="module")
+def draft_model():
+    """An unrelated 1-layer random draft of the same vocabulary: low but nonzero acceptance."""
+    return jaxspec.Model(config=DRAFT, params=random_params(DRAFT, seed=7))
+
+
+@pytest.fixture(scope="module")
 def eagle3_head():
-    """test_eagle3's random head, sized for the tiny target (aux streams of its 2 layers)."""
+    """test_eagle3's head sized for the tiny target (aux streams of its 2 layers), drawn with
+    numpy as random_params does (jax.random would compile per shape): norms 1, weights
+    N(0, 0.2), d2t 0 (draft id i is target id i)."""
     cfg = dataclasses.replace(HEAD, dim=TINY.dim, vocab_size=TINY.vocab_size, aux_layer_ids=(0, 1, 1))
-    return jaxspec.Model(config=cfg, params=eagle3.init_params(cfg, jax.random.PRNGKey(1), scale=0.2))
+    rng = np.random.RandomState(1)
+
+    def draw(path, leaf):
+        if jnp.issubdtype(leaf.dtype, jnp.integer):
+            return jnp.zeros(leaf.shape, leaf.dtype)
+        if path[-1].name.endswith("norm"):
+            return jnp.ones(leaf.shape, leaf.dtype)
+        return jnp.asarray(0.2 * rng.randn(*leaf.shape), leaf.dtype)
+
+    shapes = jax.eval_shape(lambda: eagle3.init_params(cfg, jax.random.PRNGKey(0)))
+    return jaxspec.Model(config=cfg, params=jax.tree_util.tree_map_with_path(draw, shapes))
 
 
 @pytest.fixture(scope="module")
