@@ -130,7 +130,7 @@ def test_tree_greedy_equals_plain_greedy(tiny_model, plain, draft_model, eagle3_
     ragged = jaxspec.generate(tiny_model, prompt=PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True,
                               tree=ragged_tree, **kwargs)
     assert_plain_greedy(tiny_model, PROMPTS, ragged, plain["ragged"])
-    assert ragged.stats.method == method
+    assert ragged.stats.method == method and ragged.stats.proposed > 0
     assert_tree_stats(ragged.stats, ragged_tree)
     single = jaxspec.generate(tiny_model, prompt=SINGLE, max_new_tokens=NEW_TOKENS, ignore_eos=True,
                               tree=single_tree, **kwargs)
@@ -160,6 +160,18 @@ def test_a_draft_equal_to_the_target_always_accepts_a_bushy_trees_first_depth(ti
     stats = result.stats
     assert_tree_stats(stats, BUSHY)
     assert stats.accepted_depths[0] == 0 and stats.acceptance_by_position[0] == 1.0
+
+
+def test_greedy_with_repetition_penalty_is_exact_through_the_tree_verifier(tiny_model):
+    """Temperature 0 with a repetition penalty verifies by sampling over point masses, the
+    distribution after each node penalised by the committed tokens and the tokens on its path:
+    the output equals plain greedy's (penalising by the committed tokens alone fails this)."""
+    options = dict(max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.4)
+    reference = jaxspec.generate(tiny_model, None, PROMPTS, **options)
+    result = jaxspec.generate(tiny_model, prompt=PROMPTS, method="layer_skip", exit_layer=1, tree=BUSHY, **options)
+    assert result.tokens == reference.tokens
+    assert_tree_stats(result.stats, BUSHY)
+    assert result.stats.accepted > 0
 
 
 @pytest.fixture(scope="module")
