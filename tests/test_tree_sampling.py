@@ -49,13 +49,14 @@ def _bonus_from_p_itself(pending, drafts, parents, num_proposed, target_probs, k
 
 
 def test_a_tree_verifier_that_keeps_the_rejected_children_fails_the_same_test(target, draft, monkeypatch):
+    settings = dict(temperature=1.0)
+    exact = exact_joint(target, settings)  # before the caches go: its programs are the case's above
     monkeypatch.setattr(loop, "tree_rejection_sample", _bonus_from_p_itself)
     # The broken verifier must be traced into a fresh program, and not left behind for others.
     jax.clear_caches()
-    settings = dict(temperature=1.0)
     try:
         counts, _ = sampled_joint(target, draft, settings, method="draft", tree=TREE)
     finally:
         jax.clear_caches()
-    p_value = chi_square_p_value(counts, exact_joint(target, settings))
+    p_value = chi_square_p_value(counts, exact)
     assert p_value < SIGNIFICANCE, f"the broken verifier went undetected: p = {p_value:.2e}"
