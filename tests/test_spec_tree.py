@@ -162,6 +162,17 @@ def test_a_draft_equal_to_the_target_always_accepts_a_bushy_trees_first_depth(ti
     assert stats.accepted_depths[0] == 0 and stats.acceptance_by_position[0] == 1.0
 
 
+def test_a_stop_token_inside_an_accepted_path_ends_the_row_there(tiny_model, plain):
+    """Rounds accept several tokens at once; the row still ends at the stop token's first
+    occurrence and keeps nothing past it (the same program as above: stop ids are an array)."""
+    stop = plain["ragged"].tokens[0][10]
+    result = jaxspec.generate(tiny_model, tiny_model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                              stop_token_ids=[stop], tree=BUSHY)
+    for tokens, reference in zip(result.tokens, plain["ragged"].tokens):
+        assert tokens == (reference[:reference.index(stop) + 1] if stop in reference else reference)
+    assert result.finish_reason[0] == "stop" and result.stats.multi_token_rounds > 0
+
+
 def test_greedy_with_repetition_penalty_is_exact_through_the_tree_verifier(tiny_model):
     """Temperature 0 with a repetition penalty verifies by sampling over point masses, the
     distribution after each node penalised by the committed tokens and the tokens on its path:
