@@ -239,6 +239,7 @@ def test_stream_and_the_cli_give_generates_text_and_the_tree_stats(tiny, tiny_ca
     (dict(method="ngram", tree=(2, -1, 4)), r"DraftTree top_k must be an integer >= 1; got -1"),
     (dict(method="ngram", tree="3,2,2"), r"num_nodes \(2\) must be >= depth \(3\)"),
     (dict(method="ngram", tree=(2, 2, 7)), r"num_nodes \(7\) exceeds the 6 candidates"),
+    (dict(method="ngram", tree=(2, 16, 129)), r"num_nodes \(129\) must be <= 128"),
     (dict(method="ngram", tree="3,x,4"), r"a tree is DEPTH,TOPK,NODES"),
     (dict(method="ngram", tree=(3, 4)), r"a \(depth, top_k, num_nodes\) triple"),
     # 13 + 235 + the tree's 12 slots per round pass 256 positions (a chain of 4 would fit)
