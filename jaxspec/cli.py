@@ -20,6 +20,7 @@ from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
 from jaxspec.score import score
 from jaxspec.spec.methods import DRAFT_SAMPLING, Method
+from jaxspec.spec.tree import DraftTree
 
 EXIT_BAD_INPUT = 2
 WEIGHT_FORMAT_FLAG = dict(
@@ -147,7 +148,11 @@ _METHOD_EQUALS = re.compile(r"method='(\w+)'")
 
 
 def in_cli_terms(message: str) -> str:
-    """An API error message with Python names (draft_params, method='eagle3') as CLI flags."""
+    """An API error message with Python names (draft_params, method='eagle3') as CLI flags. A
+    DraftTree's own fields (depth, top_k, num_nodes) are parts of --tree, not flags: its top_k
+    is not the sampling --top-k, so its messages are only marked as --tree's."""
+    if message.startswith(f"{DraftTree.__name__} "):
+        return f"--tree: {message}"
     message = _METHOD_EQUALS.sub(r"--method \1", message)
     return _PYTHON_NAME.sub(lambda match: PYTHON_NAMES_TO_FLAGS[match.group(1)], message)
 
