@@ -297,5 +297,6 @@ def test_bad_tree_masks_are_named():
         (TreeMask(start=lengths, visible=visible.astype(jnp.int32)), r"visible must be bool\[B=2, T=3, M >= 1\]"),
     ]
     for mask, message in bad_masks:
-        with pytest.raises(InvalidRequestError, match=message):
-            flash_decode(q, keys, keys, lengths, mask=mask, interpret=True)
+        for attend in (flash_decode_reference, functools.partial(flash_decode, interpret=True)):
+            with pytest.raises(InvalidRequestError, match=message):
+                attend(q, keys, keys, lengths, mask=mask)

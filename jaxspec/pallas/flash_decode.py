@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jaxspec.choice import Choice
 from jaxspec.errors import InvalidRequestError
 from jaxspec.pallas import kv_quant
-from jaxspec.pallas.kv_quant import BLOCK, Format, Packed, Q5_1, Q8_0
+from jaxspec.pallas.kv_quant import BLOCK, Format, Packed
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 _GPU_MIN_ROWS = 16  # Triton's dot needs at least 16 rows
@@ -138,6 +138,8 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
     """
     del block_s, split_size, interpret
     batch, steps, num_kv_heads, group, capacity, head_dim = _check_inputs(q, keys, values, lengths)
+    if mask is not None:
+        _check_mask(mask, batch, steps)
     keys, values = kv_quant.dequantize(keys), kv_quant.dequantize(values)  # [B, K, S, H]
     queries = _grouped(q.astype(jnp.float32))  # [B, K, G*T, H]
     scores = jnp.einsum("BKQH,BKSH->BKQS", queries * (1.0 / math.sqrt(head_dim)), keys)

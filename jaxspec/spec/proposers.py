@@ -40,7 +40,6 @@ from jaxspec import models
 from jaxspec.models import eagle3, layers, mtp
 from jaxspec.cache import Cache, KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.pallas.flash_decode import TreeMask
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.tree import DraftTree
@@ -250,10 +249,9 @@ class DraftModel:
         base, top_k = cache.length, self.tree.top_k
 
         def expand(cache, tokens, carry, level, sees):
-            positions = jnp.broadcast_to((base + level - 1)[:, None], tokens.shape)  # [B, K]: depth level
-            logits, _, cache = models.forward(draft_params, self.config, tokens,
-                                              cache.set_length(base + (level - 1) * top_k), positions=positions,
-                                              tree_mask=TreeMask(start=base, visible=sees))
+            offset, positions, mask = tree_lib.frontier_inputs(base, level, top_k, sees)
+            logits, _, cache = models.forward(draft_params, self.config, tokens, cache.set_length(offset),
+                                              positions=positions, tree_mask=mask)
             return logits, carry, cache
 
         grown, cache = tree_lib.grow(self.tree, root_logits, None, expand, lambda ids: ids, cache)
@@ -378,10 +376,9 @@ class _FeatureHead:
         committed_length, top_k = state.cache.length, self.tree.top_k
 
         def expand(cache, tokens, g, level, sees):
-            positions = jnp.broadcast_to((committed_length + level - 1)[:, None], tokens.shape)  # [B, K]
-            logits, g_next, cache = self._step(
-                draft_params, tokens, g, cache.set_length(committed_length + (level - 1) * top_k),
-                positions=positions, tree_mask=TreeMask(start=committed_length, visible=sees))
+            offset, positions, mask = tree_lib.frontier_inputs(committed_length, level, top_k, sees)
+            logits, g_next, cache = self._step(draft_params, tokens, g, cache.set_length(offset),
+                                               positions=positions, tree_mask=mask)
             return logits, g_next, cache
 
         grown, cache = tree_lib.grow(self.tree, state.next_logits, state.g_next, expand,

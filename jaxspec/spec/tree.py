@@ -305,6 +305,15 @@ class Grown:
     scratch_slot: jax.Array
 
 
+def frontier_inputs(base: jax.Array, level: int, top_k: int, sees: jax.Array) -> tuple[jax.Array, jax.Array, TreeMask]:
+    """How a drafter whose committed length is `base` int32[B] runs growth level `level`'s
+    frontier (top_k nodes per row, at depth `level`): the cache offset it writes at (its scratch
+    slots), the nodes' positions int32[B, K] (base + level - 1, as a chain's depth-`level`
+    draft), and the TreeMask over the scratch slots from `sees` bool[B, K, M]."""
+    positions = jnp.broadcast_to((base + level - 1)[:, None], (base.shape[0], top_k))
+    return base + (level - 1) * top_k, positions, TreeMask(start=base, visible=sees)
+
+
 # expand(state, tokens int32[B, K], carry [B, K, ...], level, mask bool[B, K, M])
 #     -> (logits [B, K, V'], carry, state)
 Expand = Callable[[Any, jax.Array, Any, int, jax.Array], tuple[jax.Array, Any, Any]]
