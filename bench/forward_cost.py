@@ -49,8 +49,17 @@ def timed(fn, *args):
     return out, time.perf_counter() - start
 
 
+def heap_tree(nodes: int, top_k: int = 4) -> np.ndarray:
+    """A draft tree's parents (verify indices) int32[nodes]: node v's parent is (v - 1) // top_k,
+    a complete top_k-ary tree in breadth-first order. What a verify costs depends on its token
+    count, not on the tree's shape: any tree of that many nodes times the same."""
+    return (np.arange(nodes, dtype=np.int32)) // top_k
+
+
 def forward_costs(variants: dict, capacity: int, length: int, calls: int, iters: int = 4) -> dict:
-    """Median seconds of one `llama.forward` per variant {name: (params, cfg, T)}.
+    """Median seconds of one `llama.forward` per variant {name: (params, cfg, T)}, or
+    {name: (params, cfg, T, parents)} for a tree verify: T = 1 + N tokens under the ancestor mask
+    of the tree whose node parents are `parents` int32[N] (`heap_tree`), at the nodes' depths.
 
     Each timed call runs `iters` forwards in a jitted `fori_loop` with the cache in the carry (as
     the generation loop carries it, updated in place), and the time is divided by `iters`. The
@@ -60,27 +69,37 @@ def forward_costs(variants: dict, capacity: int, length: int, calls: int, iters:
     from jaxspec.cache import KVCache
 
     runners = {}
-    for name, (params, cfg, steps) in variants.items():
+    for name, (params, cfg, steps, *tree) in variants.items():
         cache = KVCache.create(cfg, 1, capacity).set_length(jnp.full((1,), length, jnp.int32))
         tokens = jnp.asarray(np.arange(100, 100 + steps, dtype=np.int32)[None])  # [1, T]
-        loop = functools.partial(forward_loop, cfg=cfg, iters=iters)
-        timed(loop, params, tokens, cache)  # compile
-        runners[name] = (loop, params, tokens, cache)
+        parents = jnp.asarray(tree[0])[None] if tree else None  # [1, N]
+        depth = int(np.log2(max(steps, 2))) + 1 if tree else 0  # enough passes for any heap_tree
+        loop = functools.partial(forward_loop, cfg=cfg, iters=iters, depth=depth)
+        timed(loop, params, tokens, cache, parents)  # compile
+        runners[name] = (loop, params, tokens, cache, parents)
     samples = {name: [] for name in variants}
     for _ in range(calls):
-        for name, (loop, params, tokens, cache) in runners.items():
-            samples[name].append(timed(loop, params, tokens, cache)[1] / iters)
+        for name, (loop, params, tokens, cache, parents) in runners.items():
+            samples[name].append(timed(loop, params, tokens, cache, parents)[1] / iters)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "iters"))
-def forward_loop(params, tokens, cache, *, cfg, iters):
-    """`iters` forwards of `tokens` [1, T] at the cache's length; a checksum of their logits."""
+@functools.partial(jax.jit, static_argnames=("cfg", "iters", "depth"))
+def forward_loop(params, tokens, cache, parents=None, *, cfg, iters, depth=0):
+    """`iters` forwards of `tokens` [1, T] at the cache's length (under a tree's ancestor mask
+    when `parents` is given, as the loop's tree verify runs); a checksum of their logits."""
     from jaxspec.models import llama
+    from jaxspec.spec import tree as tree_lib
+
+    options = {}
+    if parents is not None:
+        depths = tree_lib.node_depths(parents, depth)  # [1, T]
+        options = dict(positions=cache.length[:, None] + depths,
+                       tree_mask=tree_lib.verify_mask(parents, depth, cache.length, tokens.shape[1]))
 
     def body(_, carry):
         cache, checksum = carry
-        logits, _, cache = llama.forward(params, cfg, tokens, cache)
+        logits, _, cache = llama.forward(params, cfg, tokens, cache, **options)
         return cache, checksum + logits[0, -1, 0]  # keeps every forward live
 
     return jax.lax.fori_loop(0, iters, body, (cache, jnp.zeros((), jnp.float32)))[1]

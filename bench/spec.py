@@ -25,6 +25,10 @@ Also measured:
   * sampled decoding at temperature 0.7 and 1.0 (`--temperatures`): plain sampling vs prompt lookup
     and layer-skip (lossless rejection sampling), tau and speedup, HF's sampled plain and prompt
     lookup beside them, on the first 2 prompts of each group (`--sampled-prompts`);
+  * draft trees (EAGLE-2 dynamic trees, `--trees D,K,N ...`) beside chains at the same head and
+    for prompt lookup (`--ngram-trees`): tau, speedup, the tree/chain tau ratio per group, the best
+    setting per group, and the cost of a tree verify at T = 1 + N (`--tree-cost-nodes`, up to 64)
+    next to a causal forward of the same T;
   * trained draft heads: the shipped EAGLE-3 head (`--eagle3`, default "eagle3-smollm2-135m",
     at k = `--eagle3-k`, default 2 4 6) and optionally an MTP head trained by `jaxspec.cli
     train-head --method mtp` (`--mtp DIR`, k = `--mtp-k`), in the greedy and the sampled rows,
@@ -58,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from forward_cost import forward_costs, timed  # bench/ is on sys.path when a bench script runs
+from forward_cost import forward_costs, heap_tree, timed  # bench/ is on sys.path when a bench script runs
 from results_md import peer_versions, replace_section
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loading bars in the log
@@ -211,6 +215,7 @@ class Method:
     k: int = 0
     exit_layer: int | None = None
     draft: str | None = None  # a key of the loaded heads: "eagle3" | "mtp"
+    tree: str | None = None  # "D,K,N": draft a tree of that shape (k is then its depth)
 
 
 def run_jaxspec(model, prompt: Prompt, m: Method, new_tokens: int, timing_stop: int,
@@ -219,7 +224,9 @@ def run_jaxspec(model, prompt: Prompt, m: Method, new_tokens: int, timing_stop: 
 
     kwargs = dict(chat=True, max_new_tokens=new_tokens, ignore_eos=True, method=m.method,
                   temperature=temperature, seed=seed)
-    if m.method != "plain":
+    if m.tree is not None:
+        kwargs["tree"] = m.tree
+    elif m.method != "plain":
         kwargs["num_draft_tokens"] = m.k
     if m.method == "layer_skip":
         kwargs["exit_layer"] = m.exit_layer
@@ -231,7 +238,7 @@ def run_jaxspec(model, prompt: Prompt, m: Method, new_tokens: int, timing_stop: 
     result = jaxspec.generate(model, (heads or {}).get(m.draft), prompt.text, **kwargs)
     s = result.stats
     return dict(tokens=result.tokens[0], tps=s.decode_tokens_per_second, tau=s.tau,
-                acceptance=s.acceptance_rate, by_position=s.acceptance_by_position,
+                acceptance=s.acceptance_rate, by_position=s.acceptance_by_position, depths=s.accepted_depths,
                 prefill_s=s.prefill_seconds, compile_s=s.compile_seconds, complete=s.new_tokens == new_tokens)
 
 
@@ -317,14 +324,16 @@ def group_summary(records: list[dict], methods: list[Method], hf_ids: set[int]) 
     return out
 
 
-def section_title(weight_format: str) -> str:
-    """This script's RESULTS.md section: one per weight format (f32 keeps the original title)."""
-    return SECTION if weight_format == "f32" else f"{SECTION[:-1]} --weight-format {weight_format})"
+def section_title(weight_format: str, tag: str | None = None) -> str:
+    """This script's RESULTS.md section: one per weight format (f32 keeps the original title) and
+    `--section` tag (a focused run, e.g. the tree sweep, keeps its own section beside the full one)."""
+    title = SECTION if weight_format == "f32" else f"{SECTION[:-1]} --weight-format {weight_format})"
+    return title if not tag else f"{title}: {tag}"
 
 
 def build_report(args, picked, methods, hf_methods, records, summaries, costs, sweep, chosen,
                  mismatches, incomplete, seconds, compile_s) -> str:
-    lines = [f"{section_title(args.weight_format)}\n", f"Target weights: {args.weight_format} (the heads follow).\n"]
+    lines = [f"{section_title(args.weight_format, args.section)}\n", f"Target weights: {args.weight_format} (the heads follow).\n"]
     total_prompts = sum(len(v) for v in picked.values())
     lines.append(
         f"{datetime.date.today().isoformat()}; {platform.processor() or platform.machine()}, 2 cores, shared "
@@ -439,10 +448,58 @@ def build_report(args, picked, methods, hf_methods, records, summaries, costs, s
                      f"{sweep['tau'][(e, k)]:.2f}; measured on the same prompts in the main run: tau "
                      f"{fmt(sweep.get('measured_tau'), '.2f')}, speedup {fmt(sweep.get('measured_speedup'), '.2f', 'x')}).\n")
 
+    lines.append(tree_report(summaries, methods, costs, args))
     lines.append(acceptance_report(records, methods, costs, args))
     lines.append("Figure: `bench/spec_speedup.png` (speedup per group and method; the T-cost curve).\n")
     lines.append(_reading(summaries, methods, hf_methods, costs, args))
     return "\n".join(lines)
+
+
+def tree_report(summaries: dict, methods: list[Method], costs: dict, args) -> str:
+    """Trees against chains at the same drafter, per group: the best chain and the best tree by
+    speedup, their tau ratio (best tree tau / best chain tau), and the cost of a tree verify."""
+    trees = [m for m in methods if m.tree]
+    if not trees:
+        return ""
+    lines = ["### Draft trees vs chains at the same drafter\n",
+             "EAGLE-2 dynamic trees (`tree=D,K,N`: depth, children per expanded node, nodes verified) against "
+             "the chains of the same drafter. Tau ratio = the highest tree tau / the highest chain tau (the tree "
+             "named); best = by median speedup over plain; the tree wins wall-clock when its best beats the best "
+             "chain.\n",
+             "| group | drafter | best chain (tau, speedup) | best tree (tau, speedup) | tau ratio (tree) | tree "
+             "wins wall-clock |", "|---|---|---|---|---:|---|"]
+    for group in GROUPS:
+        s = summaries[group]
+        for drafter in sorted({m.method for m in trees}):
+            chains = [m for m in methods if m.method == drafter and not m.tree]
+            shaped = [m for m in trees if m.method == drafter]
+            if not chains:
+                continue
+            best_chain = max(chains, key=lambda m: _nan_low(s[m.key]["speedup"]))
+            best_tree = max(shaped, key=lambda m: _nan_low(s[m.key]["speedup"]))
+            deepest = max(shaped, key=lambda m: _nan_low(s[m.key]["tau"]))  # the tree with the highest tau
+            ratio = _nan_low(s[deepest.key]["tau"]) / max(_nan_low(s[m.key]["tau"]) for m in chains)
+            wins = s[best_tree.key]["speedup"] > s[best_chain.key]["speedup"]
+            lines.append(
+                f"| {group} | {drafter} | {best_chain.name} ({fmt(s[best_chain.key]['tau'], '.2f')}, "
+                f"{fmt(s[best_chain.key]['speedup'], '.2f', 'x')}) | {best_tree.name} "
+                f"({fmt(s[best_tree.key]['tau'], '.2f')}, {fmt(s[best_tree.key]['speedup'], '.2f', 'x')}) "
+                f"| {ratio:.2f}x ({deepest.tree}) | {'yes' if wins else 'no'} |")
+    lines.append("")
+    nodes = [n for n in args.tree_cost_nodes if f"tree T={n + 1}" in costs]
+    if nodes:
+        base = costs["T=1"]
+        lines.append("Cost of a tree verify, T = 1 + N tokens under the ancestor mask (a 4-ary tree; the shape "
+                     "does not change the cost), next to a causal forward of the same T, relative to T = 1, cache "
+                     f"{args.cost_capacity}/{args.cost_length}:\n")
+        lines.append("| N | T | tree verify ms | tree / cost(1) | causal ms | causal / cost(1) |")
+        lines.append("|---:|---:|---:|---:|---:|---:|")
+        for n in nodes:
+            tree_cost, causal = costs[f"tree T={n + 1}"], costs[f"causal T={n + 1}"]
+            lines.append(f"| {n} | {n + 1} | {1e3 * tree_cost:.1f} | {tree_cost / base:.2f} | {1e3 * causal:.1f} "
+                         f"| {causal / base:.2f} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
 
 
 def acceptance_report(records: list[dict], methods: list[Method], costs: dict, args) -> str:
@@ -555,9 +612,9 @@ def _nan_low(value: float) -> float:
     return -math.inf if math.isnan(value) else value
 
 
-def write_section(path: pathlib.Path, section: str, weight_format: str) -> None:
-    """Replace this script's section of RESULTS.md for `weight_format`, keep the rest."""
-    replace_section(path, section_title(weight_format), section)
+def write_section(path: pathlib.Path, section: str, weight_format: str, tag: str | None = None) -> None:
+    """Replace this script's section of RESULTS.md for `weight_format` and `tag`, keep the rest."""
+    replace_section(path, section_title(weight_format, tag), section)
 
 
 def plot(path: pathlib.Path, summaries, methods, hf_methods, costs, args) -> None:
@@ -639,11 +696,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mtp", default=None, help="an MTP head directory written by train-head --method mtp")
     parser.add_argument("--mtp-k", type=int, nargs="+", default=[2], help="MTP draft lengths")
     parser.add_argument("--sampled-head-k", type=int, default=4, help="the heads' k in the sampled rows")
+    parser.add_argument("--trees", nargs="*", default=["3,4,8", "4,8,16", "5,8,32"],
+                        help="draft-tree shapes D,K,N for the heads (none: chains only)")
+    parser.add_argument("--ngram-trees", nargs="*", default=["4,3,12"], help="draft-tree shapes for prompt lookup")
+    parser.add_argument("--tree-cost-nodes", type=int, nargs="*", default=[4, 8, 16, 32, 64],
+                        help="tree sizes N whose verify (T = 1 + N) is timed")
     parser.add_argument("--no-hf", action="store_true", help="jaxspec only")
     parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8"),
                         help="the target's weights (heads follow); each format has its own RESULTS.md section")
     parser.add_argument("--no-layer-skip", action="store_true")
     parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
+    parser.add_argument("--section", default=None,
+                        help="a tag for a focused run's own RESULTS.md section (e.g. 'trees'), kept beside the full run's")
     parser.add_argument("--plot", type=pathlib.Path, default=None,
                         help="the figure (default bench/spec_speedup.png; spec_speedup_FORMAT.png for int8, bf16)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md and the plot alone")
@@ -666,8 +730,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.eagle3.lower() != "none":
         args.cost_max_t = max(args.cost_max_t, max(args.eagle3_k) + 1)
     if args.plot is None:
-        args.plot = DEFAULT_PLOT if args.weight_format == "f32" else DEFAULT_PLOT.with_name(
-            f"{DEFAULT_PLOT.stem}_{args.weight_format}.png")
+        suffix = ("" if args.weight_format == "f32" else f"_{args.weight_format}") + (
+            f"_{args.section}" if args.section else "")
+        args.plot = DEFAULT_PLOT.with_name(f"{DEFAULT_PLOT.stem}{suffix}.png")
     began = time.perf_counter()
 
     import jaxspec
@@ -704,6 +769,12 @@ def main(argv: list[str] | None = None) -> int:
             for t in (1, 2):
                 short[f"e={e},T={t}"] = (draft.params, draft.config, t)
     short_costs = forward_costs(short, SHORT_CACHE[0], SHORT_CACHE[1], args.cost_calls)
+    if args.tree_cost_nodes:  # a tree verify against a causal forward of the same T
+        tree_variants = {}
+        for n in args.tree_cost_nodes:
+            tree_variants[f"tree T={n + 1}"] = (model.params, cfg, n + 1, heap_tree(n))
+            tree_variants[f"causal T={n + 1}"] = (model.params, cfg, n + 1)
+        costs.update(forward_costs(tree_variants, args.cost_capacity, args.cost_length, args.cost_calls))
     costs.update({f"short {name}": value for name, value in short_costs.items()})
     if not args.no_layer_skip:
         low, high = measured_exits[0], measured_exits[-1]
@@ -751,7 +822,11 @@ def main(argv: list[str] | None = None) -> int:
     head_names = {"eagle3": "EAGLE-3", "mtp": "MTP"}
     methods += [Method(f"{head_names[name]} k={k}", f"{name}-{k}", name, k, draft=name)
                 for name in heads for k in head_ks[name]]
+    methods += [Method(f"{head_names[name]} tree {shape}", f"{name}-tree-{shape}", name, int(shape.split(",")[0]),
+                       draft=name, tree=shape) for name in heads for shape in args.trees]
     methods += [Method(f"prompt lookup k={k}", f"ngram-{k}", "ngram", k) for k in args.k]
+    methods += [Method(f"prompt lookup tree {shape}", f"ngram-tree-{shape}", "ngram", int(shape.split(",")[0]),
+                       tree=shape) for shape in args.ngram_trees]
     if chosen:
         methods.append(Method(f"layer-skip e={chosen[0]} k={chosen[1]}", "layer_skip", "layer_skip", chosen[1],
                               chosen[0]))
@@ -851,10 +926,10 @@ def main(argv: list[str] | None = None) -> int:
                                 sampling_report(args, sampled, bool(hf_methods)) + "\nFigure: `bench/spec_speedup.png`", 1)
     print()
     print(report)
-    if args.weight_format != "f32":  # its own figure beside the f32 one
+    if args.plot != DEFAULT_PLOT:  # its own figure beside the full f32 run's
         report = report.replace("bench/spec_speedup.png", f"bench/{args.plot.name}")
     if not args.no_write:
-        write_section(args.results, report, args.weight_format)
+        write_section(args.results, report, args.weight_format, args.section)
         plot(args.plot, summaries, methods, hf_methods, costs, args)
         print(f"wrote {args.results} and {args.plot}")
     return 1 if mismatches else 0

@@ -16,9 +16,10 @@ from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
 from jaxspec.score import ScoreResult, score
 from jaxspec.spec.methods import Method
+from jaxspec.spec.tree import DraftTree
 
 __all__ = [
-    "DEFAULT_MODEL", "Architecture", "CheckpointError", "GenerateOptions", "GenerateResult", "InvalidRequestError",
+    "DEFAULT_MODEL", "Architecture", "CheckpointError", "DraftTree", "GenerateOptions", "GenerateResult", "InvalidRequestError",
     "JaxspecError", "Method", "Model", "ModelConfig", "ScoreResult", "SpecStats", "Stream", "UnsupportedModelError",
     "WeightFormat", "convert_weights", "generate", "layer_skip", "load", "load_mtp", "prepare", "score", "set_compile_notices", "stream",
 ]

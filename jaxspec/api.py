@@ -102,7 +102,7 @@ class SpecStats:
     time is reported apart. With no proposer, rounds are plain decode steps (tau = 1)."""
 
     method: str  # a Method value: "plain", "ngram", "draft", "layer_skip", "eagle3" or "mtp"
-    num_draft_tokens: int  # k
+    num_draft_tokens: int  # k: the most drafts a round accepts (a tree's depth)
     rows: int
     prompt_tokens: int
     new_tokens: int
@@ -114,7 +114,14 @@ class SpecStats:
     proposed: int  # real draft tokens proposed, summed over rows and rounds
     accepted: int  # draft tokens accepted
     multi_token_rounds: int  # rounds that committed more than one token
-    acceptance_by_position: tuple[float, ...]  # P(draft i accepted | proposed), i = 1..k
+    acceptance_by_position: tuple[float, ...]  # P(draft i accepted | proposed), i = 1..k (a tree: depth i reached)
+    accepted_depths: tuple[int, ...] = ()  # rounds (summed over rows) that accepted exactly n drafts, n = 0..k
+    tree: str | None = None  # the draft tree's "depth,top_k,num_nodes"; None: a chain of k
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafts accepted per round (tau - 1): a tree's accepted depth."""
+        return self.accepted / self.rounds if self.rounds else math.nan
 
     @property
     def decode_tokens(self) -> int:
@@ -207,6 +214,8 @@ class Prepared:
         batch, prompt_bucket = self.request.prompt.shape
         method = self.speculation.method.value
         k = f" k={self.spec.num_draft}" if self.spec.num_draft else ""
+        if self.spec.tree is not None:
+            k = f" tree {self.spec.tree}"
         return f"{method}{k}, batch {batch}, prompts up to {prompt_bucket} tokens, {self.spec.capacity} cache slots"
 
 
@@ -258,9 +267,18 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     k = speculation.num_draft
     rows = prompt_ids(prompt, model, options.chat)
     longest, max_new_tokens = max(len(r) for r in rows), int(options.max_new_tokens)
+    # A round writes k + 1 slots (a tree: 1 + num_nodes, or its drafter's scratch slots),
+    # padded to the weights' token lanes (LoopSpec.round_width). The Qwen3.5 hybrid is not
+    # padded: its recorded-state ring holds k + 2 steps, not the filler.
+    lanes = quant.token_lanes(model.params) if isinstance(cfg, ModelConfig) else 1
+    round_width = loop.LoopSpec(cfg=cfg, capacity=0, sampler=sampler, proposer=speculation.proposer,
+                                token_lanes=lanes).round_width
+    reach = k if options.tree is None else round_width - 1
     for whose, context in speculation.context_limits(model):
-        if longest + max_new_tokens + k > context:
+        if longest + max_new_tokens + reach > context:
             drafts = f" + num_draft_tokens ({k})" if k else ""
+            if options.tree is not None:
+                drafts = f" + the tree's {reach} slots per round (tree {options.tree})"
             raise InvalidRequestError(
                 f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}){drafts} exceeds the {whose} "
                 f"context of {context} tokens")
@@ -271,11 +289,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     stop_ids[: len(stop_token_ids)] = stop_token_ids
     prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
     # Decode attention reads all S slots every step, so S is the prompt bucket plus a bucket of
-    # the new tokens plus k, not a power of two of the sum (1024 + 132 would become 2048).
-    # A round writes k + 1 slots, padded to the weights' token lanes (LoopSpec.round_width). The
-    # Qwen3.5 hybrid is not padded: its recorded-state ring holds k + 2 steps, not the filler.
-    lanes = quant.token_lanes(model.params) if isinstance(cfg, ModelConfig) else 1
-    round_width = loop.padded_tokens(k + 1, 1, lanes)
+    # the new tokens plus a round's width, not a power of two of the sum (1024 + 132 would become 2048).
     capacity = min(prompt_bucket + _bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET) + round_width - 1,
                    cfg.max_position_embeddings)
     padded = np.zeros((batch, prompt_bucket), np.int32)
@@ -326,6 +340,8 @@ def _stats(prepared: Prepared, state: loop.DecodeState, *, prefill_seconds, deco
         accepted=int(counters.accepted.sum()),
         multi_token_rounds=int(counters.multi_token_rounds.sum()),
         acceptance_by_position=tuple(float(a / p) if p else math.nan for a, p in zip(accepted_at, proposed_at)),
+        accepted_depths=tuple(int(n) for n in counters.accepted_hist),
+        tree=None if prepared.spec.tree is None else str(prepared.spec.tree),
     )
 
 

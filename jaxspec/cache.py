@@ -186,6 +186,29 @@ class KVCache:
         """Commit `accepted[b]` more of the entries written at each row's offset."""
         return self.set_length(self.length + accepted)
 
+    def commit_path(self, path: jax.Array) -> "KVCache":
+        """Gather a draft tree's accepted path into contiguous slots: the entry at slot
+        `length + path[b, i]` moves to `length + i`, in every layer (then `advance` commits it).
+
+        A tree verify writes its nodes at `length + v` in verify order, and the accepted path
+        skips the siblings it did not take; this is the one place rollback is more than setting
+        a length. path: int32[B, P] verify indices, root (0) first, increasing along the path,
+        so no source is overwritten before it is read. Entries past a row's accepted length are
+        moved too and stay uncommitted.
+        """
+        return self.move_slots(self.length[:, None] + path, self.length)
+
+    def move_slots(self, sources: jax.Array, destination: jax.Array) -> "KVCache":
+        """Copy each row's slots `sources[b]` int32[P] to `destination[b] + 0 .. P - 1` in every
+        layer's K and V (every packed leaf of a block format alike); lengths are unchanged."""
+        rows = jnp.arange(self.batch)[:, None]  # [B, 1]
+        sources = jnp.clip(sources, 0, self.capacity - 1)
+
+        def move(leaf: jax.Array) -> jax.Array:  # [B, K, S, X]
+            return write_rows(leaf, leaf[rows, :, sources], destination)  # picked: [B, P, K, X]
+
+        return self.replace(keys=jax.tree.map(move, self.keys), values=jax.tree.map(move, self.values))
+
 
 def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
     """Write `new` [B, T, K, H] into `buffer` [B, K, S, H] at per-row `offsets` int32[B].

@@ -20,6 +20,7 @@ from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
 from jaxspec.score import score
 from jaxspec.spec.methods import DRAFT_SAMPLING, Method
+from jaxspec.spec.tree import DraftTree
 
 EXIT_BAD_INPUT = 2
 WEIGHT_FORMAT_FLAG = dict(
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a draft model (same vocabulary), an EAGLE-3 head directory or name "
                           "(eagle3-smollm2-135m), a trained MTP head directory, or for --method mtp the HF "
                           "directory whose MTP head to use")
+    gen.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES",
+                     help="draft an EAGLE-2 dynamic tree instead of a chain of k: its depth, the children "
+                          "expanded per node, and the nodes verified per round (e.g. 4,4,16)")
     gen.add_argument("--draft-sampling", choices=DRAFT_SAMPLING, default=None,
                      help="at temperature > 0: drafts sampled from the draft's distribution (default) or its argmax")
     gen.add_argument("--kv-format", default=None, help="the target's KV cache: f32 (default), bf16, q8_0, q5_1, "
@@ -144,7 +148,11 @@ _METHOD_EQUALS = re.compile(r"method='(\w+)'")
 
 
 def in_cli_terms(message: str) -> str:
-    """An API error message with Python names (draft_params, method='eagle3') as CLI flags."""
+    """An API error message with Python names (draft_params, method='eagle3') as CLI flags. A
+    DraftTree's own fields (depth, top_k, num_nodes) are parts of --tree, not flags: its top_k
+    is not the sampling --top-k, so its messages are only marked as --tree's."""
+    if message.startswith(f"{DraftTree.__name__} "):
+        return f"--tree: {message}"
     message = _METHOD_EQUALS.sub(r"--method \1", message)
     return _PYTHON_NAME.sub(lambda match: PYTHON_NAMES_TO_FLAGS[match.group(1)], message)
 
@@ -167,7 +175,7 @@ def _generate(args) -> None:
         kv_format = tuple(kv_format.split(",", 1))
     # Checked before anything loads: a bad flag costs no model load.
     options = GenerateOptions(
-        method=args.method, num_draft_tokens=args.num_draft_tokens, exit_layer=args.exit_layer,
+        method=args.method, num_draft_tokens=args.num_draft_tokens, tree=args.tree, exit_layer=args.exit_layer,
         draft_sampling=args.draft_sampling, kv_format=kv_format, attention=args.attention,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
@@ -182,9 +190,13 @@ def _generate(args) -> None:
         print(text, end="", flush=True)
     stats = stream.result.stats
     speculation = ""
-    if stats.method != "plain":
+    if stats.method != "plain" and stats.tree is None:
         speculation = (f"{stats.method} k={stats.num_draft_tokens}: tau {stats.tau:.2f}, "
                        f"acceptance {stats.acceptance_rate:.0%}, ")
+    elif stats.method != "plain":
+        depths = " ".join(f"{n}:{rounds}" for n, rounds in enumerate(stats.accepted_depths))
+        speculation = (f"{stats.method} tree {stats.tree}: tau {stats.tau:.2f}, accepted depth "
+                       f"{stats.mean_accepted:.2f} per round (rounds by depth {depths}), ")
     print(
         f"\n[{stats.new_tokens} tokens, {stats.decode_tokens_per_second:.1f} tok/s decode, {speculation}"
         f"prefill {stats.prompt_tokens} tokens in {stats.prefill_seconds:.2f} s, "

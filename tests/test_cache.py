@@ -3,12 +3,13 @@ cache: per-row writes, rollback by length, and forward consistency across cache 
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.cache import KV_AXES, Cache, KVCache, StateRollbackError, write_rows
+from jaxspec.cache import KV_AXES, Cache, KVCache, StateRollbackError, write_kv, write_rows
 from jaxspec.models import llama, qwen35
 from jaxspec.models.hybrid_cache import CONV_AXES, SSM_AXES
 from jaxspec.models.qwen35 import LayerType, Qwen35Cache, Qwen35Config
@@ -161,3 +162,56 @@ def test_rows_with_different_lengths_are_independent(params):
     batched, _ = _logits(params, last, cache)
     for row in range(2):
         assert max_relative_error(batched[row, 0], alone[row]) < 1e-5
+
+
+def _filled_cache(kv_format: str, lengths: list[int], capacity: int = 12) -> KVCache:
+    """A cache of head dim 32 (every block format tiles it) whose every slot of every row, layer
+    and K/V buffer holds its own random vector, at ragged `lengths`."""
+    cfg = dataclasses.replace(TINY, head_dim=32, rotary_dim=32)
+    cache = KVCache.create(cfg, batch=len(lengths), capacity=capacity, kv_format=kv_format)
+    shape = (len(lengths), capacity, cfg.num_kv_heads, cfg.head_dim)  # [B, T, K, H]: one write of every slot
+    keys = jax.random.split(jax.random.PRNGKey(0), 2 * cfg.num_layers)
+    buffers = [write_kv(buffer, jax.random.normal(key, shape), jnp.zeros((len(lengths),), jnp.int32))
+               for buffer, key in zip(cache.keys + cache.values, keys)]
+    return cache.replace(keys=tuple(buffers[:cfg.num_layers]), values=tuple(buffers[cfg.num_layers:])).set_length(
+        jnp.array(lengths))
+
+
+def _moved(before: KVCache, sources: np.ndarray, destination: np.ndarray) -> tuple:
+    """What every packed leaf of every K/V buffer must hold after moving each row's slots
+    `sources[b]` to `destination[b] + 0 .. P - 1`: computed slot by slot in numpy."""
+    def move(leaf):  # [B, K, S, X]
+        original = np.asarray(leaf)
+        expected = original.copy()
+        for row, row_sources in enumerate(sources):
+            for i, source in enumerate(row_sources):
+                expected[row, :, destination[row] + i] = original[row, :, source]
+        return expected
+
+    return jax.tree.map(move, (before.keys, before.values))
+
+
+@pytest.mark.parametrize("kv_format", ["f32", "bf16", "q8_0", "q5_1"])
+def test_commit_path_gathers_each_rows_path_into_contiguous_slots(kv_format):
+    """Slot length + i takes what slot length + path[i] held, per row; every other slot (the
+    committed ones below length, those past the path) is untouched, and lengths do not move."""
+    lengths = np.array([2, 5, 0])
+    cache = _filled_cache(kv_format, lengths.tolist())
+    # Root first and increasing; past a row's accepted node the path repeats the root (0).
+    path = np.array([[0, 2, 5, 0], [0, 1, 2, 3], [0, 4, 0, 0]])
+    committed = cache.commit_path(jnp.asarray(path, jnp.int32))
+    chex.assert_trees_all_equal((committed.keys, committed.values),
+                                _moved(cache, lengths[:, None] + path, lengths))
+    np.testing.assert_array_equal(committed.length, lengths)
+    assert committed.kv_format == cache.kv_format
+
+
+@pytest.mark.parametrize("kv_format", ["f32", "q5_1"])
+def test_move_slots_copies_to_any_destination(kv_format):
+    """A tree drafter's scratch slots moved down to where its chain would have written them;
+    overlapping sources and destinations read the old contents."""
+    cache = _filled_cache(kv_format, [3, 1])
+    sources, destination = np.array([[7, 4, 3], [1, 1, 2]]), np.array([3, 2])
+    moved = cache.move_slots(jnp.asarray(sources, jnp.int32), jnp.asarray(destination, jnp.int32))
+    chex.assert_trees_all_equal((moved.keys, moved.values), _moved(cache, sources, destination))
+    np.testing.assert_array_equal(moved.length, [3, 1])

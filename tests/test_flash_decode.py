@@ -1,7 +1,7 @@
 """Decode/verify attention: the reference on hand-computed cases, the Pallas kernel against the
-reference over formats, group sizes, T and lengths, the model forward through the kernel, the
-attention switch, and bad input. On CPU the kernel runs in the Pallas interpreter; on a GPU the
-same tests run it natively."""
+reference over formats, group sizes, T and lengths, causal and under random draft-tree masks, the
+model forward through the kernel, the attention switch, and bad input. On CPU the kernel runs in
+the Pallas interpreter; on a GPU the same tests run it natively."""
 
 import functools
 import math
@@ -17,7 +17,8 @@ from jaxspec.errors import InvalidRequestError
 from jaxspec.models import llama
 from jaxspec.pallas import flash_decode as flash_decode_module
 from jaxspec.pallas import kv_quant
-from jaxspec.pallas.flash_decode import Attention, flash_decode, flash_decode_reference, resolve_attention
+from jaxspec.pallas.flash_decode import (Attention, TreeMask, flash_decode, flash_decode_reference,
+                                         resolve_attention)
 from tests.conftest import max_relative_error
 from tests.test_kv_quant import TINY32, random_params
 
@@ -56,6 +57,22 @@ def test_reference_verify_is_causal_within_the_new_tokens_by_hand():
     np.testing.assert_allclose(out, [[7.0, 6.0], [4.5, 14.0 / 3.0]], rtol=1e-6)
 
 
+def test_reference_tree_mask_hides_a_sibling_by_hand():
+    keys, values = _hand_case()
+    # Length 1: the pending token (node 0, slot 1) and its two children, siblings at slots 2 and 3.
+    q = jnp.asarray([1.0, 0.0] * 3).reshape(1, 3, 1, 2, 1)  # [B, T, K, G, H]
+    visible = jnp.asarray([[True, False, False],  # node 0 sees itself
+                           [True, True, False],  # node 1: its parent and itself, not its sibling
+                           [True, False, True]])  # node 2: its parent and itself, not its sibling
+    mask = TreeMask(start=jnp.array([1]), visible=visible[None])
+    out = flash_decode_reference(q, keys, values, jnp.array([1]), mask=mask).reshape(3, 2)  # [T, G]
+    # Nodes 0 and 1 see what causal queries at slots 1 and 2 see (7, 6 and 4.5, 14/3): had node 1
+    # seen its sibling's key 100, head 0 would read value -50.
+    # Node 2 sees slots 0, 1, 3: head 0 weights 1 : 3 : e^100 -> -50 (to float32);
+    # head 1 uniform -> (4 + 8 - 50) / 3 = -38/3.
+    np.testing.assert_allclose(out, [[7.0, 6.0], [4.5, 14.0 / 3.0], [-50.0, -38.0 / 3.0]], rtol=1e-6)
+
+
 # (K format, V format, G, T): each format as K and as V, decode (T = 1) and verify (T > 1).
 SWEEP = [
     ("f32", "f32", 1, 1),
@@ -90,6 +107,67 @@ def test_kernel_matches_reference(key_format, value_format, group, steps):
     chex.assert_trees_all_close(ours, reference, atol=tolerance, rtol=tolerance)
 
 
+def random_tree_visible(rng: np.random.RandomState, nodes: int) -> np.ndarray:
+    """bool[nodes, nodes]: visible[t, m] = "node m is t or an ancestor of t" for a random tree
+    whose nodes are ordered parents before children (node 0, the pending token, is the root)."""
+    visible = np.eye(nodes, dtype=bool)
+    for node in range(1, nodes):
+        visible[node] |= visible[rng.randint(node)]  # the parent's row is already complete
+    return visible
+
+
+def _random_attention_inputs(key_format, value_format, group, steps, seed):
+    """q [B=3, T, K=2, G, H=32] and a K/V cache of S=128 slots; the rows' lengths 0, 24 and
+    S - T: one at the cache's start, one not aligned to a block of 16 whose last query (at slot
+    24 + 40 or 24 + 8) sits alone on the first slot of a split of 32, one ending on the last slot."""
+    batch, num_kv_heads, capacity, head_dim = 3, 2, 128, 32
+    rng = np.random.RandomState(seed)
+    q = jnp.asarray(rng.randn(batch, steps, num_kv_heads, group, head_dim), jnp.float32)
+    keys = kv_quant.quantize_reference(jnp.asarray(rng.randn(batch, num_kv_heads, capacity, head_dim) * 2), key_format)
+    values = kv_quant.quantize_reference(jnp.asarray(rng.randn(batch, num_kv_heads, capacity, head_dim)), value_format)
+    lengths = jnp.array([0, 24, capacity - steps], jnp.int32)
+    return q, keys, values, lengths
+
+
+# (K format, V format, G, T): the SWEEP's format pairs under a tree of T = 1 + N nodes; with 40
+# nodes a query's window needs two bit words.
+TREE_SWEEP = [
+    ("f32", "f32", 1, 41),
+    ("bf16", "bf16", 3, 41),
+    ("q8_0", "q5_1", 3, 41),
+    ("q5_1", "q8_0", 1, 41),
+    ("q8_0", "q8_0", 3, 9),
+    ("q5_1", "q5_1", 1, 9),
+]
+
+
+@pytest.mark.parametrize("key_format, value_format, group, steps", TREE_SWEEP)
+def test_kernel_matches_reference_under_a_tree_mask(key_format, value_format, group, steps):
+    q, keys, values, lengths = _random_attention_inputs(key_format, value_format, group, steps, seed=steps + group)
+    rng = np.random.RandomState(steps * 10 + group)
+    visible = jnp.asarray(np.stack([random_tree_visible(rng, steps) for _ in lengths]))  # [B, T, T]
+    # The tree is written at each row's length; blocks of 16 and splits of 32 slots, so a
+    # window of 41 slots spans several blocks and splits.
+    mask = TreeMask(start=lengths, visible=visible)
+    ours = flash_decode(q, keys, values, lengths, mask=mask, block_s=16, split_size=32, interpret=INTERPRET)
+    reference = flash_decode_reference(q, keys, values, lengths, mask=mask)
+    chex.assert_shape(ours, q.shape)
+    chex.assert_tree_all_finite(ours)
+    tolerance = max(TOLERANCE[key_format], TOLERANCE[value_format])
+    chex.assert_trees_all_close(ours, reference, atol=tolerance, rtol=tolerance)
+
+
+def test_a_causal_triangle_mask_is_the_causal_rule_exactly():
+    group, steps = 2, 5
+    q, keys, values, lengths = _random_attention_inputs("q8_0", "q5_1", group, steps, seed=3)
+    triangle = jnp.tril(jnp.ones((steps, steps), bool))  # query t sees nodes 0..t
+    mask = TreeMask(start=lengths, visible=jnp.broadcast_to(triangle, (len(lengths), steps, steps)))
+    kernel = functools.partial(flash_decode, block_s=16, split_size=32, interpret=INTERPRET)
+    for attention in (flash_decode_reference, kernel):
+        chex.assert_trees_all_equal(attention(q, keys, values, lengths, mask=mask),
+                                    attention(q, keys, values, lengths))
+
+
 def test_model_forward_through_the_kernel_matches_the_reference():
     """A verify step (T = 3) on a prefilled q8_0/q5_1 cache with rows at different lengths."""
     params = random_params(TINY32, seed=7)
@@ -109,29 +187,56 @@ def test_model_forward_through_the_kernel_matches_the_reference():
     chex.assert_trees_all_equal(our_cache.values, ref_cache.values)
 
 
-@pytest.mark.parametrize("key_format, value_format", [("f32", "bf16"), ("q8_0", "q5_1"), ("q5_1", "q8_0")])
-def test_native_kernels_lower_to_triton_for_cuda(key_format, value_format):
-    """Even without a GPU, lowering for CUDA runs Pallas's Triton lowering of both kernels (every
-    op must have a Triton rule, blocks must be Triton-shaped); only Triton's own compile is left
-    for a GPU (bench/gpu_check.sh)."""
+def _lowers_to_triton(function, *shapes) -> bool:
+    """Whether exporting `function` for CUDA at `shapes` emits a Triton call: Pallas's Triton
+    lowering ran (every op had a Triton rule, blocks were Triton-shaped)."""
     from jax import export
 
+    triton_call = "__gpu$xla.gpu.triton"
+    exported = export.export(jax.jit(function), platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(triton_call)])(*shapes)
+    return triton_call in exported.mlir_module()
+
+
+def _cache_shape(fmt: str, shape: tuple[int, ...]):
+    """The shape structs of a [B, K, S, H] cache stored in `fmt` (one per leaf)."""
+    return jax.eval_shape(lambda: kv_quant.zeros(shape, kv_quant.Format(fmt)))
+
+
+def _native_attention(block_s: int = 64, split_size: int = 128):
+    return functools.partial(flash_decode_module._flash_decode_pallas, block_s=block_s, split_size=split_size,
+                             interpret=False)
+
+
+@pytest.mark.parametrize("key_format, value_format", [("f32", "bf16"), ("q8_0", "q5_1"), ("q5_1", "q8_0")])
+def test_native_kernels_lower_to_triton_for_cuda(key_format, value_format):
+    """Even without a GPU, lowering for CUDA runs Pallas's Triton lowering of both kernels; only
+    Triton's own compile is left for a GPU (bench/gpu_check.sh)."""
     batch, steps, num_kv_heads, group, capacity, head_dim = 2, 5, 2, 4, 256, 128
-    shaped = lambda fmt: jax.eval_shape(lambda: kv_quant.zeros((batch, num_kv_heads, capacity, head_dim),
-                                                                 kv_quant.Format(fmt)))
-    triton_calls = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    attention = jax.jit(functools.partial(flash_decode_module._flash_decode_pallas, block_s=64,
-                                          split_size=128, interpret=False))
-    exported = export.export(attention, platforms=["cuda"], disabled_checks=triton_calls)(
-        jax.ShapeDtypeStruct((batch, steps, num_kv_heads, group, head_dim), jnp.float32),
-        shaped(key_format), shaped(value_format), jax.ShapeDtypeStruct((batch,), jnp.int32))
-    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+    cache = (batch, num_kv_heads, capacity, head_dim)
+    assert _lowers_to_triton(_native_attention(),
+                             jax.ShapeDtypeStruct((batch, steps, num_kv_heads, group, head_dim), jnp.float32),
+                             _cache_shape(key_format, cache), _cache_shape(value_format, cache),
+                             jax.ShapeDtypeStruct((batch,), jnp.int32))
     new = jax.ShapeDtypeStruct((batch, steps, num_kv_heads, head_dim), jnp.float32)
     for fmt in {key_format, value_format} & {"q8_0", "q5_1"}:
-        quantize = jax.jit(functools.partial(kv_quant._quantize_pallas, fmt=kv_quant.Format(fmt), block_rows=64,
-                                             interpret=False))
-        exported = export.export(quantize, platforms=["cuda"], disabled_checks=triton_calls)(new)
-        assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+        quantize = functools.partial(kv_quant._quantize_pallas, fmt=kv_quant.Format(fmt), block_rows=64,
+                                     interpret=False)
+        assert _lowers_to_triton(quantize, new)
+
+
+@pytest.mark.parametrize("group, steps", [(3, 41), (1, 65)])
+def test_native_kernel_with_a_tree_mask_lowers_to_triton_for_cuda(group, steps):
+    """The tree path's bit words, two of them and an odd three, are read by selects and shifts
+    that Triton takes (G*T = 123 and 65 queries, each padded to a tile of 128 rows)."""
+    batch, num_kv_heads, capacity, head_dim = 2, 2, 256, 128
+    cache = (batch, num_kv_heads, capacity, head_dim)
+    mask = TreeMask(start=jax.ShapeDtypeStruct((batch,), jnp.int32),
+                    visible=jax.ShapeDtypeStruct((batch, steps, steps), jnp.bool_))
+    assert _lowers_to_triton(_native_attention(),
+                             jax.ShapeDtypeStruct((batch, steps, num_kv_heads, group, head_dim), jnp.float32),
+                             _cache_shape("q8_0", cache), _cache_shape("q5_1", cache),
+                             jax.ShapeDtypeStruct((batch,), jnp.int32), mask)
 
 
 def test_attention_switch():
@@ -177,3 +282,21 @@ def test_bad_shapes_are_named():
     with pytest.raises(InvalidRequestError, match="block_s=0"):
         flash_decode(jnp.zeros((2, 1, 2, 1, 32)), keys, keys, jnp.zeros((2,), jnp.int32), block_s=0,
                      interpret=True)
+
+
+def test_bad_tree_masks_are_named():
+    batch, steps = 2, 3
+    q, keys = jnp.zeros((batch, steps, 1, 1, 32)), jnp.zeros((batch, 1, 16, 32))
+    lengths = jnp.zeros((batch,), jnp.int32)
+    visible = jnp.ones((batch, steps, steps), bool)
+    bad_masks = [
+        (TreeMask(start=jnp.zeros((3,), jnp.int32), visible=visible), r"start must be int32\[B=2\]"),
+        (TreeMask(start=jnp.zeros((batch,), jnp.float32), visible=visible), r"start must be int32\[B=2\]"),
+        (TreeMask(start=lengths, visible=visible[:, :2]), r"visible must be bool\[B=2, T=3, M >= 1\]"),
+        (TreeMask(start=lengths, visible=visible[..., :0]), r"visible must be bool\[B=2, T=3, M >= 1\]"),
+        (TreeMask(start=lengths, visible=visible.astype(jnp.int32)), r"visible must be bool\[B=2, T=3, M >= 1\]"),
+    ]
+    for mask, message in bad_masks:
+        for attend in (flash_decode_reference, functools.partial(flash_decode, interpret=True)):
+            with pytest.raises(InvalidRequestError, match=message):
+                attend(q, keys, keys, lengths, mask=mask)

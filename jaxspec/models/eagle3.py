@@ -50,6 +50,7 @@ from jaxspec.models.layers import (
 )
 from jaxspec.models.quant import Weight, embedding_rows, matmul, weight_leaves
 from jaxspec.models.params import param
+from jaxspec.pallas.flash_decode import TreeMask
 
 
 @struct.dataclass
@@ -201,16 +202,22 @@ def forward(
     tokens: jax.Array,
     g: jax.Array,
     cache: KVCache,
+    *,
+    positions: jax.Array | None = None,
+    tree_mask: TreeMask | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """One head step over T positions per row, written at the cache's per-row offsets.
 
     embed: the target's [V, D]; tokens int32[B, T] (the token after each feature's position);
     g: [B, T, D] (encoded target features, or the head's own previous g_next).
+    positions: int32[B, T] RoPE positions, default the slots; tree_mask: a draft tree's ancestor
+    mask in place of the causal rule (the head drafting a tree's frontier).
     Returns draft-vocabulary logits [B, T, Vd], g_next [B, T, D], the cache (length unchanged).
     """
     batch, steps = tokens.shape
     attention_cfg = cfg.attention_config
-    positions = cache.length[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    if positions is None:
+        positions = cache.length[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(attention_cfg, positions)
 
     e = embedding_rows(embed, tokens.reshape(-1)).T  # [D, B*T]
@@ -218,7 +225,7 @@ def forward(
     cat = jnp.concatenate([rms_norm(e, params.input_layernorm, cfg.norm_eps),
                            rms_norm(g, params.hidden_norm, cfg.norm_eps)], axis=0)  # [2D, B*T]
     attn_out, keys, values = self_attention(params.attention, attention_cfg, cat, cos, sin, cache.keys[0], cache.values[0],
-                                            cache.length, batch, steps)
+                                            cache.length, batch, steps, tree_mask=tree_mask)
     x1 = g + attn_out  # the residual is the pre-norm g
     g_next = x1 + swiglu(params.mlp, rms_norm(x1, params.post_attention_layernorm, cfg.norm_eps))
     logits = logits_head(params.lm_head, rms_norm(g_next, params.norm, cfg.norm_eps), batch, steps)  # [B, T, Vd]

@@ -26,7 +26,7 @@ from flax import struct
 from jaxspec.cache import write_kv
 from jaxspec.config import RopeScaling, RopeType
 from jaxspec.errors import UnsupportedModelError
-from jaxspec.pallas.flash_decode import Attention, attend, quantize_for
+from jaxspec.pallas.flash_decode import Attention, TreeMask, attend, quantize_for
 from jaxspec.models.params import param
 from jaxspec.models.quant import Weight, concat_rows, matmul, split_rows
 from jaxspec.pallas.kv_quant import Packed
@@ -245,6 +245,7 @@ def self_attention(
     weights: AttentionParams, cfg: AttentionConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
     keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
     *, qk_norm: bool = False, output_gate: bool = False, attention: Attention | str = Attention.AUTO,
+    tree_mask: TreeMask | None = None,
 ) -> tuple[jax.Array, Packed, Packed]:
     """Self-attention of T new tokens per row over that row's cache. h: [D, B*T] (normed).
 
@@ -253,7 +254,8 @@ def self_attention(
     v_bias when not None; q_norm, k_norm [H] with `qk_norm` (RMSNorm per head before RoPE).
     With `output_gate` the attention output is multiplied by sigmoid(gate) before o_proj.
     keys/values are the layer's buffers [B, K, S, H] in the cache's format; `attention` picks
-    the Pallas kernel or the XLA reference (jaxspec.pallas.flash_decode.Attention).
+    the Pallas kernel or the XLA reference (jaxspec.pallas.flash_decode.Attention); `tree_mask`
+    replaces the causal rule among the new tokens (a draft tree's ancestor mask).
     Returns the output [D, B*T] and the buffers with the T new entries written at `offsets`.
     """
     N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
@@ -281,7 +283,7 @@ def self_attention(
 
     # Queries as [B, T, K, G, H] (GQA: query head k*G + g reads kv head k).
     q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 4, 0, 1, 2))
-    out = attend(q, keys, values, offsets, attention=attention)  # [B, T, K, G, H]
+    out = attend(q, keys, values, offsets, mask=tree_mask, attention=attention)  # [B, T, K, G, H]
     out = jnp.transpose(out, (2, 3, 4, 0, 1)).reshape(N * H, batch * steps)  # [N*H, B*T]
     if gate is not None:
         out = out * jax.nn.sigmoid(gate.reshape(N * H, batch * steps))  # per head dim
@@ -323,7 +325,7 @@ def logits_head(head: Weight, h: jax.Array, batch: int, steps: int,
 def decoder_layer(
     layer: LlamaLayer, cfg: AttentionConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
     keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
-    *, qk_norm: bool = False, attention: Attention | str = Attention.AUTO,
+    *, qk_norm: bool = False, attention: Attention | str = Attention.AUTO, tree_mask: TreeMask | None = None,
 ) -> tuple[jax.Array, Packed, Packed]:
     """One pre-norm decoder layer on the residual stream h [D, B*T]: attention, then SwiGLU.
 
@@ -331,6 +333,6 @@ def decoder_layer(
     """
     attn_out, keys, values = self_attention(layer.attention, cfg, rms_norm(h, layer.attn_norm, cfg.norm_eps), cos,
                                             sin, keys, values, offsets, batch, steps, qk_norm=qk_norm,
-                                            attention=attention)
+                                            attention=attention, tree_mask=tree_mask)
     h = h + attn_out
     return h + swiglu(layer.mlp, rms_norm(h, layer.mlp_norm, cfg.norm_eps)), keys, values

@@ -56,7 +56,7 @@ from jaxspec.models.layers import (
 )
 from jaxspec.models.quant import embedding_rows
 from jaxspec.models.params import LeafFn, param, trunk_params
-from jaxspec.pallas.flash_decode import Attention
+from jaxspec.pallas.flash_decode import Attention, TreeMask
 
 
 @struct.dataclass
@@ -132,6 +132,7 @@ def forward(
     logit_indices: jax.Array | None = None,
     hidden_layers: tuple[int, ...] = (),
     attention: Attention | str = Attention.AUTO,
+    tree_mask: TreeMask | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
     """Run T new tokens per row through the trunk.
 
@@ -147,6 +148,8 @@ def forward(
     attention: "auto" (the Pallas kernel on GPU, the XLA reference elsewhere), "reference",
         "pallas", or "interpret" (the kernel in the Pallas interpreter, for tests). The cache's
         own KV format (`KVCache.create(..., kv_format=...)`) decides how K/V are stored and read.
+    tree_mask: a draft tree's ancestor mask over the T new tokens (jaxspec.pallas.flash_decode.TreeMask)
+        in place of the causal rule; pass positions too (each node's RoPE position is its depth).
 
     Returns logits float32[B, P, V], the requested hiddens, and the cache.
     """
@@ -161,7 +164,8 @@ def forward(
     for index, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{index}"):
             h, k_buf, v_buf = decoder_layer(layer, cfg, h, cos, sin, cache.keys[index], cache.values[index],
-                                            offsets, batch, steps, qk_norm=cfg.qk_norm, attention=attention)
+                                            offsets, batch, steps, qk_norm=cfg.qk_norm, attention=attention,
+                                            tree_mask=tree_mask)
         new_keys.append(k_buf)
         new_values.append(v_buf)
         if index in hidden_layers:

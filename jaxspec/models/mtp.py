@@ -43,6 +43,7 @@ from jaxspec.models import llama
 from jaxspec.models.layers import LlamaLayer, decoder_layer, logits_head, rms_norm, rope_tables, unfuse_projections
 from jaxspec.models.params import param
 from jaxspec.models.quant import Weight, embedding_rows, matmul, weight_leaves
+from jaxspec.pallas.flash_decode import TreeMask
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,23 +123,29 @@ def forward(
     tokens: jax.Array,
     h: jax.Array,
     cache: KVCache,
+    *,
+    positions: jax.Array | None = None,
+    tree_mask: TreeMask | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """One head step over T pairs per row, written at the cache's per-row offsets.
 
     embed, lm_head: the target's [V, D]; tokens int32[B, T]: the token after each hidden's
     position; h [B, T, D]: the target's final-normed hiddens, or the head's own previous output.
+    positions: int32[B, T] the slots' positions (default the slots; token p + 1 is placed at
+    position p + 1); tree_mask: a draft tree's ancestor mask in place of the causal rule.
     Returns logits [B, T, V], the head's output h' [B, T, D], the cache (length unchanged).
     """
     batch, steps = tokens.shape
     block_cfg = cfg.block
-    positions = cache.length[:, None] + 1 + jnp.arange(steps, dtype=jnp.int32)[None, :]  # token p + 1's position
-    cos, sin = rope_tables(block_cfg, positions)
+    if positions is None:
+        positions = cache.length[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    cos, sin = rope_tables(block_cfg, positions + 1)  # slot p pairs with token p + 1: RoPE at p + 1
 
     e = rms_norm(embedding_rows(embed, tokens.reshape(-1)).T, params.enorm, block_cfg.norm_eps)
     hidden = rms_norm(h.reshape(batch * steps, cfg.dim).T, params.hnorm, block_cfg.norm_eps)
     projected = matmul(params.eh_proj, jnp.concatenate([hidden, e] if cfg.hidden_first else [e, hidden], axis=0))
     y, keys, values = decoder_layer(params.block, block_cfg, projected, cos, sin, cache.keys[0], cache.values[0],
-                                    cache.length, batch, steps, qk_norm=block_cfg.qk_norm)
+                                    cache.length, batch, steps, qk_norm=block_cfg.qk_norm, tree_mask=tree_mask)
     out = rms_norm(y, params.post_norm, block_cfg.norm_eps)  # [D, B*T]
     logits = logits_head(lm_head, out, batch, steps)  # [B, T, V]
     out = out.reshape(cfg.dim, batch, steps).transpose(1, 2, 0)

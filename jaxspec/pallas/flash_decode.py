@@ -4,12 +4,23 @@ Every query of row b attends to that row's cache slots up to its own: query t si
 `lengths[b] + t` (its K/V already written there) and sees slots s <= lengths[b] + t, which is
 causal within the T new tokens. Query heads share kv heads in groups of G = N / K (GQA).
 
+A draft tree's verify replaces the causal rule with a `TreeMask`: every slot before the mask's
+`start` (the committed context) is visible, and of the M window slots from `start` on, query t
+sees those its row's `visible[t]` marks (its ancestors and itself). The tree's tokens sit in
+those window slots in any order the caller chose; only the mask says who sees whom.
+
 `flash_decode` is the Pallas kernel: one program per (row, kv head, split of S) holds that kv
 head's G*T queries as one tile, walks its split in blocks of `block_s` slots with an online
 softmax, stops at the last slot any of its queries can see (a short row reads little of a long
 cache), and dequantizes K/V blocks in registers, so a quantized cache is read at its packed
 size. The splits are merged outside the kernel (flash-decoding). `flash_decode_reference` is the
 same attention in float32 jnp with the same signature; it is the XLA path on CPU.
+
+The kernel reads a tree mask as bits: outside the kernel each query's `visible[t]` is packed into
+W = ceil(M / 32) int32 words (bit j of word w is window slot start + 32w + j) and tiled to the
+program's query rows; inside, a block of slots picks each slot's word with a static loop over the
+W words (selects, no gather) and shifts its bit out. The walk then stops at the window's end,
+start + M. Without a mask the kernel is compiled without any of this (the causal rule above).
 
 The switch `Attention` picks between them: AUTO is the kernel on GPU and the reference elsewhere
 (interpret mode is for tests, not speed).
@@ -22,15 +33,17 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax.experimental import pallas as pl
 
 from jaxspec.choice import Choice
 from jaxspec.errors import InvalidRequestError
 from jaxspec.pallas import kv_quant
-from jaxspec.pallas.kv_quant import BLOCK, Format, Packed, Q5_1, Q8_0
+from jaxspec.pallas.kv_quant import BLOCK, Format, Packed
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 _GPU_MIN_ROWS = 16  # Triton's dot needs at least 16 rows
+_WORD_BITS = 32  # window slots per packed tree-mask word (int32)
 # A program holds one (row, kv head)'s G*T queries as one tile: decode and verify sizes. A
 # prefill-sized T goes to the reference (XLA), which tiles large attention itself.
 MAX_KERNEL_QUERIES = 128
@@ -41,6 +54,34 @@ class Attention(Choice):
     REFERENCE = "reference"  # flash_decode_reference (XLA)
     PALLAS = "pallas"  # the Pallas kernel, compiled natively (GPU)
     INTERPRET = "interpret"  # the Pallas kernel in the Pallas interpreter (tests on CPU)
+
+
+@struct.dataclass
+class TreeMask:
+    """Tree attention: which slots of a window each of the T new queries of a row sees.
+
+    Slots before `start` are all visible (committed context); window slot `start + m`
+    (m < M) is visible to query t iff `visible[b, t, m]`; slots from `start + M` on never are.
+    A verify over [pending] + N tree nodes written at `length + i` has start = length and
+    visible[t, i] = "node i is t or an ancestor of t".
+    """
+
+    start: jax.Array  # int32[B]: the window's first slot
+    visible: jax.Array  # bool[B, T, M]
+
+
+def mask_visible(mask: TreeMask | None, lengths: jax.Array, steps: int, slots: jax.Array) -> jax.Array:
+    """bool[B, T, X]: whether query t of each row sees each of `slots` int32[X] (the causal rule
+    `slot <= lengths + t` without a mask)."""
+    if mask is None:
+        query_slot = lengths[:, None] + jnp.arange(steps)[None, :]  # [B, T]
+        return slots[None, None, :] <= query_slot[:, :, None]
+    window = mask.visible.shape[-1]
+    offset = slots[None, :] - mask.start[:, None]  # [B, X]: slot's index in the window
+    in_window = (offset >= 0) & (offset < window)
+    picked = jnp.take_along_axis(mask.visible, jnp.clip(offset, 0, window - 1)[:, None, :].repeat(steps, 1),
+                                 axis=2)  # [B, T, X]
+    return (offset < 0)[:, None, :] | (in_window[:, None, :] & picked)
 
 
 def resolve_attention(attention: Attention | str) -> Attention:
@@ -87,19 +128,23 @@ def _ungrouped(out: jax.Array, steps: int) -> jax.Array:
 # --- reference ---------------------------------------------------------------------------------
 
 def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
-                           block_s: int = 0, split_size: int = 0, interpret: bool = False) -> jax.Array:
+                           mask: TreeMask | None = None, block_s: int = 0, split_size: int = 0,
+                           interpret: bool = False) -> jax.Array:
     """Masked softmax attention in float32 jnp: the whole cache, dequantized, in two einsums.
 
-    q: [B, T, K, G, H]; keys, values: [B, K, S, H] in any KV format; lengths: int32[B].
-    Returns float32 [B, T, K, G, H]. block_s, split_size, interpret: kernel tiling, ignored here.
+    q: [B, T, K, G, H]; keys, values: [B, K, S, H] in any KV format; lengths: int32[B];
+    mask: a `TreeMask` in place of the causal rule. Returns float32 [B, T, K, G, H].
+    block_s, split_size, interpret: kernel tiling, ignored here.
     """
     del block_s, split_size, interpret
     batch, steps, num_kv_heads, group, capacity, head_dim = _check_inputs(q, keys, values, lengths)
+    if mask is not None:
+        _check_mask(mask, batch, steps)
     keys, values = kv_quant.dequantize(keys), kv_quant.dequantize(values)  # [B, K, S, H]
     queries = _grouped(q.astype(jnp.float32))  # [B, K, G*T, H]
     scores = jnp.einsum("BKQH,BKSH->BKQS", queries * (1.0 / math.sqrt(head_dim)), keys)
-    slot = lengths[:, None] + jnp.arange(steps)[None, :]  # [B, T]: each query's own slot
-    visible = jnp.arange(capacity)[None, None, :] <= jnp.tile(slot, (1, group))[:, :, None]  # [B, G*T, S]
+    visible = mask_visible(mask, lengths, steps, jnp.arange(capacity))  # [B, T, S]
+    visible = jnp.tile(visible, (1, group, 1))  # [B, G*T, S]: rows (g, t)
     scores = jnp.where(visible[:, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BKQS,BKSH->BKQH", probs, values)
@@ -135,8 +180,10 @@ def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
 
 def flash_decode_kernel(
     # inputs
-    lengths_ref,  # int32[]: this row's length; query t sits at slot length + t
+    lengths_ref,  # int32[]: this row's length; query t sits at slot length + t (the causal rule)
     q_ref,  # [R, H]: the G*T queries of one (row, kv head), rows (g, t), padded to R
+    # ... with a tree mask (window=M): start_ref int32[] (the window's first slot) and
+    #     words_ref int32[R, W] (bit j of word w: query row r sees window slot 32w + j)
     # ... then the key leaves and the value leaves, each [split, X] (this program's split of S)
     # outputs: o [R, H] unnormalised, m [R] running max, l [R] softmax denominator
     *refs,
@@ -144,22 +191,47 @@ def flash_decode_kernel(
     value_format: Format,
     num_key_leaves: int,
     steps: int,
+    window: int | None,
     capacity: int,
     block_s: int,
     scale: float,
 ):
+    if window is not None:
+        start_ref, words_ref, *refs = refs
     key_refs = refs[:num_key_leaves]
     value_refs = refs[num_key_leaves:-3]
     o_ref, m_ref, l_ref = refs[-3:]
     split = key_refs[0].shape[0]
     rows, head_dim = q_ref.shape
     split_start = pl.program_id(2) * split
-
-    length = lengths_ref[()]
     q = q_ref[...].astype(jnp.float32) * scale  # [R, H]
-    query_slot = length + jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (rows,), 0), steps)  # [R]
-    # Nothing at or past slot length + T is visible to any query: those blocks are never read.
-    end = jnp.minimum(length + steps, capacity)
+
+    if window is None:
+        length = lengths_ref[()]
+        query_slot = length + jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (rows,), 0), steps)  # [R]
+        # Nothing at or past slot length + T is visible to any query: those blocks are never read.
+        end = jnp.minimum(length + steps, capacity)
+
+        def visible_of(slot):  # [bs] -> bool[R, bs]
+            return slot[None, :] <= query_slot[:, None]
+    else:
+        window_start = start_ref[()]
+        # W columns [R], read once: a slot's word is then picked by selects, which Triton takes
+        # where a gather by a traced index would not lower.
+        word_columns = [words_ref[:, word] for word in range(words_ref.shape[1])]
+        # Nothing at or past the window's end is visible (the rows' lengths play no part).
+        end = jnp.minimum(window_start + window, capacity)
+
+        def visible_of(slot):  # [bs] -> bool[R, bs]
+            offset = slot - window_start  # [bs]: the slot's index in the window (< 0: context)
+            word_of_slot = offset // _WORD_BITS
+            words = jnp.zeros((rows, slot.shape[0]), jnp.int32)  # [R, bs]
+            for word, column in enumerate(word_columns):
+                words = jnp.where(word_of_slot[None, :] == word, column[:, None], words)
+            bit = jax.lax.shift_right_logical(words, (offset % _WORD_BITS)[None, :]) & 1  # [R, bs]
+            in_window = (offset >= 0) & (offset < window)
+            return (offset < 0)[None, :] | (in_window[None, :] & (bit == 1))
+
     num_blocks = jnp.clip(pl.cdiv(end - split_start, block_s), 0, split // block_s)
 
     def body(index, carry):
@@ -168,8 +240,7 @@ def flash_decode_kernel(
         slots = pl.ds(pl.multiple_of(start, block_s), block_s)
         keys = _load_block(key_refs, key_format, slots)  # [bs, H]
         scores = _dot(q, keys, 1)  # [R, bs]
-        slot = split_start + start + jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
-        visible = slot[None, :] <= query_slot[:, None]
+        visible = visible_of(split_start + start + jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0))
         scores = jnp.where(visible, scores, _MASKED)
         m_next = jnp.maximum(m, jnp.max(scores, axis=1))
         correction = jnp.exp(m - m_next)
@@ -201,9 +272,36 @@ def kernel_supports(head_dim: int, capacity: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and capacity % 16 == 0
 
 
+def _check_mask(mask: TreeMask, batch: int, steps: int) -> None:
+    if mask.start.shape != (batch,) or not jnp.issubdtype(mask.start.dtype, jnp.integer):
+        raise InvalidRequestError(f"the tree mask's start must be int32[B={batch}]; got "
+                                  f"{mask.start.dtype}{list(mask.start.shape)}")
+    visible = mask.visible
+    if visible.ndim != 3 or visible.shape[:2] != (batch, steps) or not visible.shape[2] or visible.dtype != jnp.bool_:
+        raise InvalidRequestError(f"the tree mask's visible must be bool[B={batch}, T={steps}, M >= 1]; got "
+                                  f"{visible.dtype}{list(visible.shape)}")
+
+
+def _window_words(visible: jax.Array, rows: int) -> jax.Array:
+    """bool[B, T, M] -> int32[B, R, W]: each kernel query row's window slots as bit words.
+
+    Bit j of word w is window slot 32w + j. Row r of a tile is query t = r % T (rows are (g, t);
+    padded rows repeat the pattern, as their causal query slots do)."""
+    batch, steps, window = visible.shape
+    num_words = pl.cdiv(window, _WORD_BITS)
+    bits = jnp.pad(visible, ((0, 0), (0, 0), (0, num_words * _WORD_BITS - window)))
+    bits = bits.reshape(batch, steps, num_words, _WORD_BITS).astype(jnp.uint32)
+    # Distinct bits never carry, so the sum is their OR.
+    words = jnp.sum(bits << jnp.arange(_WORD_BITS, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)  # [B, T, W]
+    words = jax.lax.bitcast_convert_type(words, jnp.int32)
+    return jnp.take(words, jnp.arange(rows) % steps, axis=1)  # [B, R, W]
+
+
 @functools.partial(jax.jit, static_argnames=("block_s", "split_size", "interpret"))
-def _flash_decode_pallas(q, keys, values, lengths, *, block_s, split_size, interpret):
+def _flash_decode_pallas(q, keys, values, lengths, mask=None, *, block_s, split_size, interpret):
     batch, steps, num_kv_heads, group, capacity, head_dim = _check_inputs(q, keys, values, lengths)
+    if mask is not None:
+        _check_mask(mask, batch, steps)
     split = _largest_dividing(capacity, split_size)
     block_s = _largest_dividing(split, block_s)
     num_splits = capacity // split
@@ -222,13 +320,19 @@ def _flash_decode_pallas(q, keys, values, lengths, *, block_s, split_size, inter
     if padded_rows != rows:
         queries = jnp.pad(queries, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
 
+    row_spec = pl.BlockSpec((None,), lambda b, k, j: (b,))
+    mask_inputs, mask_specs = [], []
+    if mask is not None:
+        words = _window_words(mask.visible, padded_rows)  # [B, R, W]
+        mask_inputs = [mask.start.astype(jnp.int32), words]
+        mask_specs = [row_spec, pl.BlockSpec((None, padded_rows, words.shape[2]), lambda b, k, j: (b, 0, 0))]
     key_leaves, value_leaves = jax.tree.leaves(keys), jax.tree.leaves(values)
     kv_specs = [pl.BlockSpec((None, None, split, leaf.shape[3]), lambda b, k, j: (b, k, j, 0))
                 for leaf in key_leaves + value_leaves]
     kernel = functools.partial(
         flash_decode_kernel, key_format=kv_quant.format_of(keys), value_format=kv_quant.format_of(values),
-        num_key_leaves=len(key_leaves), steps=steps, capacity=capacity, block_s=block_s,
-        scale=1.0 / math.sqrt(head_dim))
+        num_key_leaves=len(key_leaves), steps=steps, window=None if mask is None else mask.visible.shape[2],
+        capacity=capacity, block_s=block_s, scale=1.0 / math.sqrt(head_dim))
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -236,9 +340,8 @@ def _flash_decode_pallas(q, keys, values, lengths, *, block_s, split_size, inter
     o, m, l = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
-        in_specs=[pl.BlockSpec((None,), lambda b, k, j: (b,)),
-                  pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, k, j: (b, k, 0, 0)),
-                  *kv_specs],
+        in_specs=[row_spec, pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, k, j: (b, k, 0, 0)),
+                  *mask_specs, *kv_specs],
         out_specs=[pl.BlockSpec((None, None, None, padded_rows, head_dim), lambda b, k, j: (b, k, j, 0, 0)),
                    pl.BlockSpec((None, None, None, padded_rows), lambda b, k, j: (b, k, j, 0)),
                    pl.BlockSpec((None, None, None, padded_rows), lambda b, k, j: (b, k, j, 0))],
@@ -248,7 +351,7 @@ def _flash_decode_pallas(q, keys, values, lengths, *, block_s, split_size, inter
         compiler_params=compiler_params,
         interpret=interpret,
         name="flash_decode",
-    )(lengths.astype(jnp.int32), queries, *key_leaves, *value_leaves)
+    )(lengths.astype(jnp.int32), queries, *mask_inputs, *key_leaves, *value_leaves)
 
     # Merge the splits: rescale each to the overall max (a split no query could see has l = 0).
     m_all = jnp.max(m, axis=2, keepdims=True)  # [B, K, 1, R]
@@ -258,20 +361,22 @@ def _flash_decode_pallas(q, keys, values, lengths, *, block_s, split_size, inter
     return _ungrouped(out[:, :, :rows], steps)
 
 
-def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
+def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, mask: TreeMask | None = None,
                  block_s: int = 64, split_size: int = 512, interpret: bool = False) -> jax.Array:
     """Attention of T queries per row over the cache, as a Pallas kernel.
 
     q: [B, T, K, G, H] (query head k*G + g; RoPE applied, unscaled); keys, values: [B, K, S, H]
     in any KV format (plain arrays or `Q8_0` / `Q5_1`), the T new entries already written at
-    `lengths[b] + t`; lengths: int32[B]. Returns float32 [B, T, K, G, H].
+    `lengths[b] + t`; lengths: int32[B]; mask: a `TreeMask` in place of the causal rule (then
+    `lengths` plays no part; every query must see some slot, as a tree node sees itself, or its
+    output is NaN). Returns float32 [B, T, K, G, H].
     block_s: slots per inner step; split_size: slots per program (S is split across programs);
     both are rounded down to powers of two dividing S. interpret: run in the Pallas interpreter.
     """
     if block_s < 1 or split_size < 1:
         raise InvalidRequestError(f"{block_s=} and {split_size=} must be >= 1")
     kv_quant.check_backend(interpret, "flash_decode")
-    return _flash_decode_pallas(q, keys, values, lengths, block_s=block_s, split_size=split_size,
+    return _flash_decode_pallas(q, keys, values, lengths, mask, block_s=block_s, split_size=split_size,
                                 interpret=interpret)
 
 
@@ -284,7 +389,7 @@ def _path(attention: Attention | str, head_dim: int, capacity: int) -> Attention
     return resolved
 
 
-def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
+def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, mask: TreeMask | None = None,
            attention: Attention | str = Attention.AUTO) -> jax.Array:
     """The one dispatch: `flash_decode` or `flash_decode_reference` per the switch.
 
@@ -293,10 +398,10 @@ def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
     if q.shape[1] * q.shape[3] > MAX_KERNEL_QUERIES:
         path = Attention.REFERENCE
     if path is Attention.PALLAS:
-        return flash_decode(q, keys, values, lengths)
+        return flash_decode(q, keys, values, lengths, mask=mask)
     if path is Attention.INTERPRET:
-        return flash_decode(q, keys, values, lengths, block_s=16, split_size=64, interpret=True)
-    return flash_decode_reference(q, keys, values, lengths)
+        return flash_decode(q, keys, values, lengths, mask=mask, block_s=16, split_size=64, interpret=True)
+    return flash_decode_reference(q, keys, values, lengths, mask=mask)
 
 
 def quantize_for(attention: Attention | str, head_dim: int, capacity: int):

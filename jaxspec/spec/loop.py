@@ -5,7 +5,10 @@
 is draft -> verify -> accept -> commit: the proposer drafts k tokens, the target scores
 `[pending, d_1 .. d_k]` in one forward (T = k+1), each row accepts its own n, the cache advances
 by n + 1 and the bonus token becomes the next pending one. Plain decoding is the same round with
-no proposer (k = 0). `generate` runs `prefill` and `decode` as two jitted calls (the host
+no proposer (k = 0). With a draft tree (`jaxspec.spec.tree`) the proposer drafts N nodes, the
+target scores `[pending] + N` under the tree's ancestor mask, each row accepts a root-to-node
+path of n <= depth nodes, and the path's K/V are gathered into contiguous slots before the
+cache advances; from there the round goes on exactly as a chain's. `generate` runs `prefill` and `decode` as two jitted calls (the host
 times each); the streaming path calls `prefill` and then `stream_step` (a round plus the tokens it
 committed) from a Python loop.
 
@@ -28,8 +31,13 @@ from jaxspec.cache import Cache, KVFormat
 from jaxspec.config import ModelConfig
 from jaxspec.models.qwen35 import Qwen35Config
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, repeat_rows, select
-from jaxspec.spec.proposers import Context, Prefill, Proposer, Verified
+from jaxspec.spec import tree as tree_lib
+from jaxspec.spec.proposers import Context, Prefill, Proposal, Proposer, Verified
+from jaxspec.spec.tree import DraftTree
 from jaxspec.spec.verify import greedy_accept, positional_seen, rejection_sample
+
+# Tree acceptance, by name here so a test can swap in a broken verifier (tests/test_tree_sampling.py).
+tree_rejection_sample = tree_lib.rejection_sample
 
 # finish_reason codes (int32 on device); FINISH_NAMES maps them for the host.
 RUNNING, FINISH_STOP, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
@@ -61,12 +69,21 @@ class LoopSpec:
         return {} if self.attention == "auto" else {"attention": self.attention}
 
     @property
-    def num_draft(self) -> int:  # k
+    def num_draft(self) -> int:  # k: the most drafts a round accepts (a tree's depth)
         return 0 if self.proposer is None else self.proposer.num_draft
 
     @property
-    def round_width(self) -> int:  # cache slots a round may write: k + 1 padded, at batch 1 (the most)
-        return padded_tokens(self.num_draft + 1, 1, self.token_lanes)
+    def tree(self) -> DraftTree | None:
+        return getattr(self.proposer, "tree", None)
+
+    @property
+    def round_width(self) -> int:
+        """Cache slots a round may write past a row's length: the verify's k + 1 (a tree's
+        1 + num_nodes) padded to the token lanes at batch 1 (the most), or a tree drafter's
+        scratch slots, whichever reaches further."""
+        if self.tree is None:
+            return padded_tokens(self.num_draft + 1, 1, self.token_lanes)
+        return max(padded_tokens(1 + self.tree.num_nodes, 1, self.token_lanes), 1 + self.tree.scratch_slots)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:  # what the proposer reads from each target forward
@@ -97,12 +114,13 @@ class RoundStats:
     multi_token_rounds: jax.Array  # int32[B]: rounds that accepted at least one draft
     proposed_at: jax.Array  # int32[k]: rows that proposed a draft at position i, over rounds
     accepted_at: jax.Array  # int32[k]: rows that accepted the draft at position i, over rounds
+    accepted_hist: jax.Array  # int32[k+1]: rounds (summed over rows) that accepted exactly n drafts
 
     @classmethod
     def zeros(cls, batch: int, k: int) -> "RoundStats":
         per_row = jnp.zeros((batch,), jnp.int32)
         per_position = jnp.zeros((k,), jnp.int32)
-        return cls(per_row, per_row, per_row, per_row, per_position, per_position)
+        return cls(per_row, per_row, per_row, per_row, per_position, per_position, jnp.zeros((k + 1,), jnp.int32))
 
 
 @struct.dataclass
@@ -246,38 +264,57 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
     return _check_capacity(state, spec)
 
 
-def _count_round(stats: RoundStats, running: jax.Array, num_proposed: jax.Array,
+def _count_round(stats: RoundStats, running: jax.Array, num_proposed: jax.Array, reach: jax.Array,
                  accepted: jax.Array, k: int) -> RoundStats:
+    """Add one round: `num_proposed` real drafts per row, reaching `reach` positions deep (a
+    chain's num_proposed, a tree's deepest node), of which `accepted` were accepted."""
     live = running.astype(jnp.int32)
-    num_proposed, accepted = num_proposed * live, accepted * live
+    num_proposed, reach, accepted = num_proposed * live, reach * live, accepted * live
     positions = jnp.arange(k)[None, :]
     return RoundStats(
         rounds=stats.rounds + live,
         proposed=stats.proposed + num_proposed,
         accepted=stats.accepted + accepted,
         multi_token_rounds=stats.multi_token_rounds + (accepted > 0),
-        proposed_at=stats.proposed_at + jnp.sum(positions < num_proposed[:, None], axis=0),
+        proposed_at=stats.proposed_at + jnp.sum(positions < reach[:, None], axis=0),
         accepted_at=stats.accepted_at + jnp.sum(positions < accepted[:, None], axis=0),
+        accepted_hist=stats.accepted_hist + jnp.sum(
+            (jnp.arange(k + 1)[None, :] == accepted[:, None]) & running[:, None], axis=0),
     )
 
 
-def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, drafts: jax.Array,
-            num_proposed: jax.Array, draft_probs: jax.Array | None, key: jax.Array):
+@struct.dataclass
+class Outcome:
+    """What a verify decided, in chain form: a tree's accepted path is already gathered."""
+
+    accepted: jax.Array  # int32[B]: n
+    committed: jax.Array  # int32[B, k+1]: n drafts, the bonus token, padding
+    hiddens: tuple[jax.Array, ...]  # the proposer's target features at the committed positions, [B, k+1, D]
+    cache: Cache  # advanced by each running row's n + 1
+    path: jax.Array | None = None  # int32[B, k+1]: a tree's accepted verify indices (root first)
+
+
+def _filler(tokens: jax.Array, spec: LoopSpec) -> tuple[jax.Array, jax.Array | None]:
+    """Filler tokens after the real ones (LoopSpec.token_lanes). Their K/V land past every row's
+    length, where the next round overwrites them; only the real tokens get logits.
+    tokens int32[B, T] -> (int32[B, T'] padded, logit_indices int32[B, T] or None)."""
+    batch, steps = tokens.shape
+    filler = padded_tokens(steps, batch, spec.token_lanes) - steps
+    if not filler:
+        return tokens, None
+    return jnp.pad(tokens, ((0, 0), (0, filler))), jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32), (batch, steps))
+
+
+def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, proposal: Proposal,
+            key: jax.Array) -> Outcome:
     """Score [pending, d_1 .. d_w] in one target forward (T = w + 1) and accept per row.
 
-    Returns accepted int32[B], committed int32[B, w+1], the proposer's hiddens [B, w+1, D] each,
-    and the cache advanced by each running row's accepted + 1 (the rest rolled back by length;
-    a hybrid cache selects its recorded state). w = 0 is a plain step.
+    The cache comes back advanced by each running row's accepted + 1 (the rest rolled back by
+    length; a hybrid cache selects its recorded state). w = 0 is a plain step.
     """
+    drafts, num_proposed = proposal.drafts, proposal.num_proposed
     batch, width = drafts.shape
-    verify_tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, w+1]
-    # Filler tokens after the real ones (LoopSpec.token_lanes). Their K/V land past every row's
-    # length, where the next round overwrites them; only the real tokens get logits.
-    filler = padded_tokens(width + 1, batch, spec.token_lanes) - (width + 1)
-    logit_indices = None
-    if filler:
-        verify_tokens = jnp.pad(verify_tokens, ((0, 0), (0, filler)))
-        logit_indices = jnp.broadcast_to(jnp.arange(width + 1, dtype=jnp.int32), (batch, width + 1))
+    verify_tokens, logit_indices = _filler(jnp.concatenate([state.pending[:, None], drafts], axis=1), spec)
     logits, hiddens, cache = models.forward(params, spec.cfg, verify_tokens, state.cache, logit_indices=logit_indices,
                                             hidden_layers=spec.hidden_layers, **spec.forward_options)
     hiddens = tuple(h[:, :width + 1] for h in hiddens)
@@ -289,72 +326,114 @@ def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, drafts
     else:
         # p at every position, each with the drafts before it counted as context (a
         # repetition penalty sees them). Greedy rows are point masses: the same rule is exact.
-        seen = None if state.seen is None else positional_seen(state.seen, drafts).reshape(batch * (width + 1), -1)
-        target_probs = distribution(logits.reshape(batch * (width + 1), -1),
-                                    repeat_rows(request.sampling, width + 1), spec.sampler, seen)
-        accepted, committed = rejection_sample(drafts, num_proposed, draft_probs,
-                                               target_probs.reshape(batch, width + 1, -1), key)
-    return accepted, committed, hiddens, cache.advance(jnp.where(state.running, accepted + 1, 0))
+        seen = None if state.seen is None else positional_seen(state.seen, drafts)
+        target_probs = _target_probs(logits, seen, request, spec)
+        accepted, committed = rejection_sample(drafts, num_proposed, proposal.probs, target_probs, key)
+    return Outcome(accepted=accepted, committed=committed, hiddens=hiddens,
+                   cache=cache.advance(jnp.where(state.running, accepted + 1, 0)))
 
 
-def _verify_or_step(params, state: DecodeState, request: Request, spec: LoopSpec, drafts, num_proposed,
-                    draft_probs, key):
-    """`_verify` at T = k + 1, or, in a round where no running row has a draft, a plain T = 1
+def _target_probs(logits: jax.Array, seen: jax.Array | None, request: Request, spec: LoopSpec) -> jax.Array:
+    """The target's processed distribution p at every verify position: logits [B, T, V] and
+    each position's repetition-penalty context bool[B, T, V] (or None) -> [B, T, V]."""
+    batch, steps, vocab = logits.shape
+    seen = None if seen is None else seen.reshape(batch * steps, vocab)
+    probs = distribution(logits.reshape(batch * steps, vocab), repeat_rows(request.sampling, steps), spec.sampler, seen)
+    return probs.reshape(batch, steps, vocab)
+
+
+def _verify_tree(params, state: DecodeState, request: Request, spec: LoopSpec, proposal: Proposal,
+                 key: jax.Array) -> Outcome:
+    """Score [pending] + N tree nodes in one target forward under the tree's ancestor mask
+    (node v at slot length + v, RoPE position length + depth(v)), accept a root-to-node path per
+    row, and gather the path's K/V into slots length .. length + n before advancing by n + 1."""
+    tree = spec.tree
+    drafts, parents, num_proposed = proposal.drafts, proposal.parents, proposal.num_proposed
+    size = drafts.shape[1] + 1
+    tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, 1+N]
+    verify_tokens, logit_indices = _filler(tokens, spec)
+    steps = verify_tokens.shape[1]
+    depths = jnp.pad(tree_lib.node_depths(parents, tree.depth), ((0, 0), (0, steps - size)))
+    logits, hiddens, cache = models.forward(
+        params, spec.cfg, verify_tokens, state.cache, positions=state.cache.length[:, None] + depths,
+        tree_mask=tree_lib.verify_mask(parents, tree.depth, state.cache.length, steps), logit_indices=logit_indices,
+        hidden_layers=spec.hidden_layers, **spec.forward_options)
+    if spec.sampler.greedy and not spec.sampler.repetition_penalty:
+        outcome = tree_lib.greedy_accept(state.pending, drafts, parents, num_proposed, logits, tree.depth)
+    else:
+        seen = None if state.seen is None else tree_lib.positional_seen(
+            state.seen, tokens, tree_lib.ancestor_mask(parents, tree.depth))
+        outcome = tree_rejection_sample(state.pending, drafts, parents, num_proposed,
+                                        _target_probs(logits, seen, request, spec), key, tree.depth)
+    hiddens = tuple(tree_lib.gather_path(h[:, :size], outcome.path) for h in hiddens)
+    cache = cache.commit_path(outcome.path).advance(jnp.where(state.running, outcome.accepted + 1, 0))
+    return Outcome(accepted=outcome.accepted, committed=outcome.committed, hiddens=hiddens, cache=cache,
+                   path=outcome.path)
+
+
+def _verify_or_step(verify, params, state: DecodeState, request: Request, spec: LoopSpec, proposal: Proposal,
+                    key) -> Outcome:
+    """`verify` at full width, or, in a round where no running row has a draft, a plain T = 1
     step: a verify with nothing to verify costs up to 2-3x a T = 1 forward on a CPU (see
     bench/RESULTS.md), and a proposer that can abstain (prompt lookup without a match) would
     pay it every such round. Both branches commit the same token: with no drafts the bonus is
     the target's own next token, drawn from the same p. Outputs are padded to the k + 1 shape;
-    the caches match because `_verify` commits them (a hybrid cache's pending per-position
-    states differ in shape with T; committed, they do not)."""
-    k = drafts.shape[1]
+    the caches match because both commit them (a hybrid cache's pending per-position states
+    differ in shape with T; committed, they do not)."""
+    k = spec.num_draft
 
     def full(_):
-        return _verify(params, state, request, spec, drafts, num_proposed, draft_probs, key)
+        return verify(params, state, request, spec, proposal, key)
 
     def single(_):
-        accepted, committed, hiddens, cache = _verify(params, state, request, spec, drafts[:, :0],
-                                                      num_proposed, None, key)
-        committed = jnp.pad(committed, ((0, 0), (0, k)))
-        hiddens = tuple(jnp.pad(h, ((0, 0), (0, k), (0, 0))) for h in hiddens)
-        return accepted, committed, hiddens, cache
+        nothing = Proposal(drafts=proposal.drafts[:, :0], num_proposed=proposal.num_proposed)
+        outcome = _verify(params, state, request, spec, nothing, key)
+        return outcome.replace(
+            committed=jnp.pad(outcome.committed, ((0, 0), (0, k))),
+            hiddens=tuple(jnp.pad(h, ((0, 0), (0, k), (0, 0))) for h in outcome.hiddens),
+            path=None if spec.tree is None else jnp.zeros((proposal.drafts.shape[0], k + 1), jnp.int32))
 
-    anything_to_verify = jnp.any((num_proposed > 0) & state.running)
+    anything_to_verify = jnp.any((proposal.num_proposed > 0) & state.running)
     return jax.lax.cond(anything_to_verify, full, single, None)
 
 
 def round_step(params, draft_params, state: DecodeState, request: Request, spec: LoopSpec) -> DecodeState:
-    """One round: draft k tokens, verify them in one target forward, commit n + 1 per row."""
+    """One round: draft (a chain of k, or a tree), verify in one target forward, commit n + 1 per row."""
     batch = state.num_generated.shape[0]
     k = spec.num_draft
     proposer_state = state.proposer_state
     key, propose_key, verify_key = jax.random.split(state.key, 3)
-    draft_probs = None
     if spec.proposer is not None:
         with jax.named_scope("propose"):
             context = state.context.replace(key=propose_key, sampling=request.sampling)
             proposal, proposer_state = spec.proposer.propose(draft_params, proposer_state, context)
-        drafts, num_proposed, draft_probs = proposal.drafts, proposal.num_proposed, proposal.probs
     else:
-        drafts, num_proposed = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32)
+        proposal = Proposal(drafts=jnp.zeros((batch, 0), jnp.int32), num_proposed=jnp.zeros((batch,), jnp.int32))
 
     running = state.running
+    verify = _verify if spec.tree is None else _verify_tree
     with jax.named_scope("verify"):
         if k > 0 and getattr(spec.proposer, "can_abstain", False):
-            accepted, committed, hiddens, cache = _verify_or_step(params, state, request, spec, drafts,
-                                                                  num_proposed, draft_probs, verify_key)
+            outcome = _verify_or_step(verify, params, state, request, spec, proposal, verify_key)
         else:
-            accepted, committed, hiddens, cache = _verify(params, state, request, spec, drafts, num_proposed,
-                                                          draft_probs, verify_key)
+            outcome = verify(params, state, request, spec, proposal, verify_key)
+    accepted = outcome.accepted
     num_committed = jnp.where(running, accepted + 1, 0)
     if spec.proposer is not None:
-        verified = Verified(accepted=accepted, committed=committed, num_committed=num_committed, hiddens=hiddens)
+        verified = Verified(accepted=accepted, committed=outcome.committed, num_committed=num_committed,
+                            hiddens=outcome.hiddens, path=outcome.path)
         proposer_state = spec.proposer.update(draft_params, proposer_state, verified)
+    reach = proposal.num_proposed
+    if spec.tree is not None:  # the deepest real node
+        depths = tree_lib.node_depths(proposal.parents, spec.tree.depth)[:, 1:]
+        reach = jnp.max(jnp.where(jnp.arange(depths.shape[1])[None, :] < proposal.num_proposed[:, None], depths, 0),
+                        axis=1, initial=0)
     state = state.replace(
-        cache=cache, key=key, proposer_state=proposer_state,
-        stats=_count_round(state.stats, running, num_proposed, accepted, k),
+        cache=outcome.cache, key=key, proposer_state=proposer_state,
+        stats=_count_round(state.stats, running, proposal.num_proposed, reach, accepted, k),
         target_forwards=state.target_forwards + 1,
     )
-    state = commit_tokens(state, committed, accepted + 1, request, spec)
+    state = commit_tokens(state, outcome.committed, accepted + 1, request, spec)
     return _check_capacity(state, spec)
 
 

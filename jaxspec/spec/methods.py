@@ -14,11 +14,12 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
-from jaxspec.errors import InvalidRequestError
+from jaxspec.errors import InvalidRequestError, UnsupportedModelError
 from jaxspec.model import Model, layer_skip
 from jaxspec.models import eagle3, mtp, qwen35
 from jaxspec.sampling import SamplerSpec
 from jaxspec.spec import proposers
+from jaxspec.spec.tree import DraftTree
 
 MAX_DRAFT_TOKENS = 32  # beyond this a round costs far more than any acceptance can repay
 DRAFT_SAMPLING = ("sample", "argmax")
@@ -61,6 +62,12 @@ class DraftOptions:
     ngram_min: int
     exit_layer: int | None
     draft_sampling: str | None  # "sample" | "argmax" | None (sample)
+    tree: DraftTree | None = None  # draft a tree of this shape instead of a chain of k
+
+    @property
+    def num_draft(self) -> int:
+        """The most drafts a round accepts: k, or the tree's depth."""
+        return self.num_draft_tokens if self.tree is None else self.tree.depth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +98,23 @@ class Speculation:
 
 def _samples_drafts(sampler: SamplerSpec, options: DraftOptions) -> bool:
     # At temperature > 0 drafts are drawn from the draft's own distribution unless asked for
-    # argmax; greedy requests always draft argmax.
+    # argmax; greedy requests always draft argmax. A tree's drafts are always its drafter's
+    # top_k (multi-draft verification needs point masses).
+    if options.tree is not None:
+        if options.draft_sampling == "sample":
+            raise InvalidRequestError("a draft tree expands each node's top_k children, not samples; "
+                                      "draft_sampling='sample' applies to chains (tree=None)")
+        return False
     return not sampler.greedy and options.draft_sampling != "argmax"
+
+
+def _refuse_hybrid_tree(config: Any, whose: str, options: DraftOptions) -> None:
+    """Trees need an attention-only trunk: a recurrent layer keeps one state per position, and a
+    tree's siblings share a position."""
+    if options.tree is not None and isinstance(config, qwen35.Qwen35Config):
+        raise UnsupportedModelError(
+            f"the {whose} is a Qwen3.5 hybrid: its DeltaNet layers carry one recurrent state per position, "
+            f"not per tree node, so draft trees are not supported; use a chain (tree=None)")
 
 
 def _refuse_draft(method: Method, draft: Model | None) -> None:
@@ -102,6 +124,8 @@ def _refuse_draft(method: Method, draft: Model | None) -> None:
 
 def _plain(target: Model, draft: Model | None, options: DraftOptions, sampler: SamplerSpec) -> Speculation:
     _refuse_draft(Method.PLAIN, draft)
+    if options.tree is not None:
+        raise InvalidRequestError("a draft tree needs a proposer: pass a method other than 'plain'")
     return Speculation(Method.PLAIN)
 
 
@@ -110,8 +134,8 @@ def _ngram(target: Model, draft: Model | None, options: DraftOptions, sampler: S
     if options.draft_sampling == "sample":
         raise InvalidRequestError(
             "prompt lookup proposes copied tokens, not samples: it has no q for draft_sampling='sample'")
-    proposer = proposers.PromptLookup(num_draft=options.num_draft_tokens, ngram_max=options.ngram_max,
-                                      ngram_min=options.ngram_min)
+    proposer = proposers.PromptLookup(num_draft=options.num_draft, ngram_max=options.ngram_max,
+                                      ngram_min=options.ngram_min, tree=options.tree)
     return Speculation(Method.NGRAM, proposer)
 
 
@@ -138,10 +162,11 @@ def _draft_model(method: Method, target: Model, draft: Model, options: DraftOpti
         raise InvalidRequestError(
             f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
             f"({target.config.vocab_size}); a draft model must share the target's tokenizer")
-    k = options.num_draft_tokens
+    _refuse_hybrid_tree(draft.config, "draft", options)
+    k = options.num_draft
     sample = _samples_drafts(sampler, options)
     proposer = proposers.DraftModel(num_draft=k, config=_with_rollback_ring(draft.config, k), sample=sample,
-                                    sampler=sampler if sample else None, name=method.value)
+                                    sampler=sampler if sample else None, tree=options.tree, name=method.value)
     return Speculation(method, proposer, draft)
 
 
@@ -183,17 +208,16 @@ def _eagle3(target: Model, head: Model | None, options: DraftOptions, sampler: S
         raise InvalidRequestError(
             f"EAGLE-3 aux layer ids {aux} must be three layer indices in [0, {layers}) of the target")
     sample = _samples_drafts(sampler, options)
-    proposer = proposers.Eagle3(num_draft=options.num_draft_tokens, config=cfg, aux_layer_ids=tuple(aux),
-                                sample=sample, sampler=sampler if sample else None)
+    proposer = proposers.Eagle3(num_draft=options.num_draft, config=cfg, aux_layer_ids=tuple(aux),
+                                sample=sample, sampler=sampler if sample else None, tree=options.tree)
     return Speculation(Method.EAGLE3, proposer, head)
 
 
 def _mtp(target: Model, head: Model | None, options: DraftOptions, sampler: SamplerSpec) -> Speculation:
     cfg = _check_head(target, head, mtp.MtpConfig, Method.MTP, "MTP", "jaxspec.load_mtp(MODEL_DIR)")
     sample = _samples_drafts(sampler, options)
-    proposer = proposers.Mtp(num_draft=options.num_draft_tokens, config=cfg, target_layers=target.config.num_layers,
-                             sample=sample,
-                             sampler=sampler if sample else None)
+    proposer = proposers.Mtp(num_draft=options.num_draft, config=cfg, target_layers=target.config.num_layers,
+                             sample=sample, sampler=sampler if sample else None, tree=options.tree)
     return Speculation(Method.MTP, proposer, head)
 
 
@@ -214,4 +238,5 @@ def build(method: Method, target: Model, draft: Model | None, options: DraftOpti
     """Check `draft` against `target` for `method` and build its proposer (host side, no tracing)."""
     if options.exit_layer is not None and method is not Method.LAYER_SKIP:
         raise InvalidRequestError(f"exit_layer applies to method='layer_skip' only; method is {method.value!r}")
+    _refuse_hybrid_tree(target.config, "target", options)
     return BUILDERS[method](target, draft, options, sampler)

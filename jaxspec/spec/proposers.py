@@ -19,6 +19,12 @@ tokens, `length` int32[B] how many (the last one is the pending token the target
 plus the round's PRNG key and the request's sampling parameters, for proposers that sample.
 A proposal's `probs` is the distribution q each draft was drawn from, which lossless rejection
 sampling needs; None means point masses on the drafts (prompt lookup, argmax drafts).
+
+With `tree` set (a `jaxspec.spec.tree.DraftTree`), a proposer drafts a tree instead of a chain:
+`drafts` holds its N nodes and `parents` their parents' verify indices, and `num_draft` is the
+tree's depth (the most a round accepts). Tree drafts are deterministic (top_k children), so
+`probs` is None. After the verify, `Verified.path` says which nodes the row accepted, and a
+proposer with per-node state (a draft model's K/V) keeps that path's only.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from jaxspec.models import eagle3, layers, mtp
 from jaxspec.cache import Cache, KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution
+from jaxspec.spec import tree as tree_lib
+from jaxspec.spec.tree import DraftTree
 
 
 @struct.dataclass
@@ -59,6 +67,7 @@ class Verified:
     committed: jax.Array  # int32[B, k+1]: d_1 .. d_n then the bonus token, then padding
     num_committed: jax.Array  # int32[B]: n + 1 for rows that ran this round, else 0
     hiddens: tuple[jax.Array, ...]  # target_hidden_layers over [pending, d_1 .. d_k], each [B, k+1, D]
+    path: jax.Array | None = None  # int32[B, k+1]: with a tree, the accepted nodes' verify indices
 
 
 @struct.dataclass
@@ -66,6 +75,7 @@ class Proposal:
     drafts: jax.Array  # int32[B, k]: entries past num_proposed are padding
     num_proposed: jax.Array  # int32[B]
     probs: jax.Array | None = None  # float32[B, k, V]: q of each draft; None = point masses
+    parents: jax.Array | None = None  # int32[B, N]: a tree's parent verify indices; None: a chain
 
 
 class Proposer(Protocol):
@@ -89,11 +99,14 @@ class PromptLookup:
     Match the context's last `n` tokens, for n from `ngram_max` down to `ngram_min`, against
     earlier context (most recent occurrence first) and propose up to k tokens that followed it.
     Strong on summarization, RAG and code editing, where the output copies the input.
+    With a tree, the top_k best matches (longest n, then most recent) each propose up to depth
+    tokens, merged as a trie: matches that agree share nodes, and where they part, branches.
     """
 
     num_draft: int
     ngram_max: int = 3
     ngram_min: int = 1
+    tree: DraftTree | None = None
     name: str = "ngram"
     target_hidden_layers: tuple[int, ...] = ()
     can_abstain: bool = True  # rows without a match propose nothing (the loop then runs T = 1)
@@ -107,15 +120,13 @@ class PromptLookup:
     def update(self, draft_params, state, verified):
         return state
 
-    def propose(self, draft_params, state, context: Context):
-        tokens, length = context.tokens, context.length
+    def _match_scores(self, tokens: jax.Array, length: jax.Array) -> jax.Array:
+        """int32[B, S]: n * S + j for each earlier start j of the context's last n tokens, with the
+        longest n that matches there; -1 where none does. Larger is better: longer, then later."""
         batch, size = tokens.shape
-        k = self.num_draft
         starts = jnp.arange(size)[None, :]  # [1, S]: candidate match start j
-        best_start = jnp.full((batch,), -1, jnp.int32)
-        best_n = jnp.zeros((batch,), jnp.int32)
-        # Longer n-grams are tried first; a longer match, when there is one, wins.
-        for n in range(self.ngram_min, self.ngram_max + 1):
+        scores = jnp.full((batch, size), -1, jnp.int32)
+        for n in range(self.ngram_min, self.ngram_max + 1):  # a longer n overrides a shorter
             suffix_at = length - n  # [B]: where the context's own last n tokens start
             match = jnp.ones((batch, size), bool)
             for i in range(n):
@@ -124,16 +135,24 @@ class PromptLookup:
                 match &= shifted == suffix_token
             # A usable match ends before the suffix itself, so something follows it.
             match &= (starts < suffix_at[:, None]) & (suffix_at[:, None] >= 0)
-            latest = jnp.max(jnp.where(match, starts, -1), axis=1).astype(jnp.int32)
-            found = latest >= 0
-            best_start = jnp.where(found, latest, best_start)
-            best_n = jnp.where(found, n, best_n)
-        follow = best_start + best_n  # [B]: first proposed token's index
-        num_proposed = jnp.where(best_start >= 0, jnp.clip(length - follow, 0, k), 0).astype(jnp.int32)
-        take = jnp.clip(follow[:, None] + jnp.arange(k)[None, :], 0, size - 1)
-        drafts = jnp.take_along_axis(tokens, take, axis=1)
-        drafts = jnp.where(jnp.arange(k)[None, :] < num_proposed[:, None], drafts, 0)
-        return Proposal(drafts=drafts, num_proposed=num_proposed), state
+            scores = jnp.where(match, n * size + starts, scores)
+        return scores
+
+    def propose(self, draft_params, state, context: Context):
+        tokens, length = context.tokens, context.length
+        size = tokens.shape[1]
+        matches = 1 if self.tree is None else self.tree.top_k
+        span = self.num_draft  # k, or the tree's depth
+        best, starts = jax.lax.top_k(self._match_scores(tokens, length), matches)  # [B, M]
+        follow = starts + best // size  # [B, M]: the first token after each match
+        at = follow[:, :, None] + jnp.arange(span)[None, None, :]  # [B, M, span]
+        real = (best >= 0)[:, :, None] & (at < length[:, None, None])
+        continuations = jnp.where(real, jnp.take_along_axis(tokens, jnp.clip(at, 0, size - 1).reshape(
+            tokens.shape[0], -1), axis=1).reshape(at.shape), 0)
+        if self.tree is None:
+            return Proposal(drafts=continuations[:, 0], num_proposed=jnp.sum(real[:, 0], axis=1).astype(jnp.int32)), state
+        drafts, parents, num_proposed = tree_lib.trie(continuations, real, self.tree.num_nodes)
+        return Proposal(drafts=drafts, num_proposed=num_proposed, parents=parents), state
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,36 +170,59 @@ class DraftModel:
     With `sampler` set (sampled verification), `sample=True` draws each draft from the draft's
     own processed distribution (the request's temperature, top-k, top-p, min-p) and reports it as
     q; otherwise drafts are the draft's argmax, point masses.
+
+    With a tree, the draft grows it (`tree.grow`) from the catch-up forward's logits, running
+    each frontier at scratch slots past the context; `update` then moves the accepted path's
+    K/V to the slots the chain would have written them to, so the invariant above holds again.
     """
 
     num_draft: int
     config: ModelConfig
     sample: bool = False
     sampler: SamplerSpec | None = None
+    tree: DraftTree | None = None
     name: str = "draft"  # "layer_skip" when the draft is the target's own first layers
     target_hidden_layers: tuple[int, ...] = ()
 
     def draft_inputs(self, target_params, draft_model_params):
         return draft_model_params
 
-    def init(self, draft_params, prefill: Prefill, capacity: int) -> Cache:
+    def init(self, draft_params, prefill: Prefill, capacity: int) -> "Cache | TreeDraftState":
         batch = prefill.prompt.shape[0]
         cache = models.create_cache(self.config, batch, capacity)
         _, _, cache = models.forward(draft_params, self.config, prefill.prompt, cache,
                                      logit_indices=jnp.zeros((batch, 1), jnp.int32))
         # The context is prompt + first token; valid for all but its last two is prompt_length - 1.
-        return cache.set_length(prefill.prompt_length - 1)
+        cache = cache.set_length(prefill.prompt_length - 1)
+        if self.tree is None:
+            return cache
+        return TreeDraftState(cache=cache, scratch_slot=jnp.full((batch, self.tree.num_nodes), -1, jnp.int32))
 
-    def update(self, draft_params, state, verified):
-        return state
+    def update(self, draft_params, state, verified: Verified):
+        if self.tree is None:
+            return state
+        # Path node i (depth i) ran at scratch slot s past the context's length h; the chain
+        # would have written it at h + i - 1. Nodes the draft never ran (a leaf of the growth),
+        # and path entries past the accepted ones, stay where they are.
+        depth = self.tree.depth
+        base = state.cache.length  # h: the context's length when the round drafted
+        node_slot = tree_lib.gather_path(jnp.pad(state.scratch_slot, ((0, 0), (1, 0)), constant_values=-1),
+                                         verified.path)[:, 1:]  # [B, depth]
+        chain_slot = jnp.arange(depth)[None, :]
+        moved = (node_slot >= 0) & (chain_slot < verified.accepted[:, None])
+        sources = base[:, None] + jnp.where(moved, node_slot, chain_slot)
+        return state.replace(cache=state.cache.move_slots(sources, base))
 
-    def propose(self, draft_params, cache: Cache, context: Context):
+    def propose(self, draft_params, state, context: Context):
+        cache = state if self.tree is None else state.cache
         last_two_at = jnp.maximum(context.length - 2, 0)[:, None] + jnp.arange(2)[None, :]  # [B, 2]
         last_two = jnp.take_along_axis(context.tokens, last_two_at, axis=1)
         cache = cache.set_length(last_two_at[:, 0])
         logits, _, cache = models.forward(draft_params, self.config, last_two, cache,
                                          logit_indices=jnp.ones((last_two.shape[0], 1), jnp.int32))
         cache = cache.advance(jnp.full_like(cache.length, 2))
+        if self.tree is not None:
+            return self._propose_tree(draft_params, cache, logits[:, 0])
         first, first_probs = _next_token(logits[:, 0], context, 0, self.sample, self.sampler)
 
         def step(carry, index):
@@ -200,6 +242,34 @@ class DraftModel:
         proposal = Proposal(drafts=drafts, num_proposed=jnp.full(first.shape, self.num_draft, jnp.int32),
                             probs=probs)
         return proposal, cache
+
+    def _propose_tree(self, draft_params, cache: Cache, root_logits: jax.Array):
+        """Grow the tree from the catch-up's logits; the cache's length h (the context's) is where
+        the scratch slots start, and where it is left."""
+        base, top_k = cache.length, self.tree.top_k
+
+        def expand(cache, tokens, carry, level, sees):
+            offset, positions, mask = tree_lib.frontier_inputs(base, level, top_k, sees)
+            logits, _, cache = models.forward(draft_params, self.config, tokens, cache.set_length(offset),
+                                              positions=positions, tree_mask=mask)
+            return logits, carry, cache
+
+        grown, cache = tree_lib.grow(self.tree, root_logits, None, expand, lambda ids: ids, cache)
+        state = TreeDraftState(cache=cache.set_length(base), scratch_slot=grown.scratch_slot)
+        return _tree_proposal(grown), state
+
+
+@struct.dataclass
+class TreeDraftState:
+    """A draft model's state under a tree: its cache, and where this round's nodes ran."""
+
+    cache: Cache  # length: the context's, h, between propose and update
+    scratch_slot: jax.Array  # int32[B, N]: each node's slot past h, or -1 (never ran)
+
+
+def _tree_proposal(grown: "tree_lib.Grown") -> Proposal:
+    batch, nodes = grown.drafts.shape
+    return Proposal(drafts=grown.drafts, num_proposed=jnp.full((batch,), nodes, jnp.int32), parents=grown.parents)
 
 
 def _next_token(logits: jax.Array, context: Context, step: int, sample: bool,
@@ -240,7 +310,7 @@ class _FeatureHead:
 
     def _encode(self, draft_params, hiddens: tuple[jax.Array, ...]) -> jax.Array: ...
 
-    def _step(self, draft_params, tokens, g, cache) -> tuple[jax.Array, jax.Array, KVCache]: ...
+    def _step(self, draft_params, tokens, g, cache, **tree_inputs) -> tuple[jax.Array, jax.Array, KVCache]: ...
 
     def _to_target(self, draft_params, ids: jax.Array) -> jax.Array: ...
 
@@ -278,6 +348,8 @@ class _FeatureHead:
         return self._absorb(draft_params, cache, tokens, prefill.hiddens, prefill.prompt_length)
 
     def propose(self, draft_params, state: HeadState, context: Context):
+        if self.tree is not None:
+            return self._propose_tree(draft_params, state)
         first, first_probs = self._draft_token(draft_params, state.next_logits, context, 0)
         committed_length = state.cache.length
 
@@ -298,7 +370,23 @@ class _FeatureHead:
         return Proposal(drafts=drafts, num_proposed=jnp.full(first.shape, self.num_draft, jnp.int32),
                         probs=probs), state
 
+    def _propose_tree(self, draft_params, state: HeadState):
+        """Grow the tree from the head's next-token logits: each frontier runs as one head step,
+        fed its parent's g, at scratch slots past the committed length (rolled back after)."""
+        committed_length, top_k = state.cache.length, self.tree.top_k
+
+        def expand(cache, tokens, g, level, sees):
+            offset, positions, mask = tree_lib.frontier_inputs(committed_length, level, top_k, sees)
+            logits, g_next, cache = self._step(draft_params, tokens, g, cache.set_length(offset),
+                                               positions=positions, tree_mask=mask)
+            return logits, g_next, cache
+
+        grown, cache = tree_lib.grow(self.tree, state.next_logits, state.g_next, expand,
+                                     lambda ids: self._to_target(draft_params, ids), state.cache)
+        return _tree_proposal(grown), state.replace(cache=cache.set_length(committed_length))
+
     def update(self, draft_params, state: HeadState, verified: Verified) -> HeadState:
+        # Under a tree, `verified` is already the accepted path's: the head absorbs it like a chain.
         return self._absorb(draft_params, state.cache, verified.committed, verified.hiddens,
                             verified.num_committed)
 
@@ -315,6 +403,7 @@ class Eagle3(_FeatureHead):
     aux_layer_ids: tuple[int, ...]  # input-of-layer spelling (see models/eagle3.py)
     sample: bool = False
     sampler: SamplerSpec | None = None
+    tree: DraftTree | None = None
     name: str = "eagle3"
 
     @property
@@ -331,8 +420,9 @@ class Eagle3(_FeatureHead):
     def _encode(self, draft_params, hiddens):
         return eagle3.encode(draft_params["head"], hiddens)
 
-    def _step(self, draft_params, tokens, g, cache):
-        return eagle3.forward(draft_params["head"], self.config, draft_params["embed"], tokens, g, cache)
+    def _step(self, draft_params, tokens, g, cache, **tree_inputs):
+        return eagle3.forward(draft_params["head"], self.config, draft_params["embed"], tokens, g, cache,
+                              **tree_inputs)
 
     def _to_target(self, draft_params, ids):
         return eagle3.to_target_ids(draft_params["head"], ids)
@@ -354,6 +444,7 @@ class Mtp(_FeatureHead):
     target_layers: int  # the target's L: its hidden layer L is the stream after the final norm
     sample: bool = False
     sampler: SamplerSpec | None = None
+    tree: DraftTree | None = None
     name: str = "mtp"
 
     @property
@@ -371,9 +462,9 @@ class Mtp(_FeatureHead):
     def _encode(self, draft_params, hiddens):
         return hiddens[0]
 
-    def _step(self, draft_params, tokens, g, cache):
+    def _step(self, draft_params, tokens, g, cache, **tree_inputs):
         return mtp.forward(draft_params["head"], self.config, draft_params["embed"], draft_params["lm_head"],
-                           tokens, g, cache)
+                           tokens, g, cache, **tree_inputs)
 
     def _to_target(self, draft_params, ids):
         return ids

@@ -1,0 +1,384 @@
+"""Draft trees (EAGLE-2): the tree a proposer grows, the mask a verify runs under, and acceptance.
+
+A round with a tree verifies `[pending] + N` tokens in one target forward. Tokens are addressed
+by their verify index v in 0..N: v = 0 is the pending token (the root), v >= 1 is tree node v,
+the proposal's `drafts[:, v - 1]`. Every row has the same N (fixed shapes) and grows its own tree:
+
+    drafts   int32[B, N]  node v's token
+    parents  int32[B, N]  node v's parent's verify index, in [0, v): parents come before children
+    valid    node v is real iff v <= num_proposed[b]; padding nodes are never accepted
+
+Node v sits in cache slot `length + v` with RoPE position `length + depth(v)`, and attends to
+the committed context and to its ancestors and itself (`ancestor_mask`, `verify_mask`). Siblings
+carry distinct tokens (the builders make sure of it), which both acceptance rules rely on.
+
+Acceptance walks down from the root. Greedy (`greedy_accept`) takes the longest root-to-node path
+whose every token is the target's argmax at its parent: at most one child per node can match, so
+that path is unique and its tokens are exactly plain greedy's. Sampling (`rejection_sample`) is
+multi-draft verification for point-mass drafts (SpecInfer, EAGLE's `evaluate_posterior`): at the
+current node with target distribution p, its children x_1, x_2, ... are tried in order, x_j
+accepted with probability p'(x_j) where p' is p with the siblings already rejected removed and
+renormalised; if all are rejected the next token is drawn from p with every child removed. This
+draws each step's token exactly from p (P(x_1) = p(x_1), P(x_2) = (1 - p(x_1)) p(x_2) / (1 - p(x_1)),
+...), so the output is distributed as the target's own sampling. Tree drafts are therefore always
+deterministic: a drafter's top_k children, never samples.
+
+After acceptance the path (at most depth + 1 verify indices) is all the loop keeps: its tokens are
+committed, its hiddens feed the proposer, and its K/V are gathered into contiguous slots
+(`jaxspec.cache.KVCache.commit_path`), so the next round sees an ordinary cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.errors import InvalidRequestError, is_integer
+from jaxspec.pallas.flash_decode import TreeMask
+
+MAX_TREE_NODES = 128  # a verify over more than this many tokens costs more than any tree repays
+TREE_FORMAT = "DEPTH,TOPK,NODES"
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    """The shape of an EAGLE-2 dynamic draft tree, the same for every round and row.
+
+    depth: the longest path (the most drafts a round can accept); top_k: children expanded per
+    frontier node and frontier nodes kept per depth; num_nodes: the tree nodes verified (the best
+    by cumulative draft log-probability). depth=k, top_k=1, num_nodes=k is a chain of k.
+    """
+
+    depth: int
+    top_k: int
+    num_nodes: int
+
+    def __post_init__(self):
+        for name in ("depth", "top_k", "num_nodes"):
+            value = getattr(self, name)
+            if not is_integer(value) or value < 1:
+                raise InvalidRequestError(f"DraftTree {name} must be an integer >= 1; got {value!r}")
+            # A numpy integer becomes a Python int: the tree is a static jit argument, hashed and
+            # compared as the same tree however its fields were given.
+            object.__setattr__(self, name, int(value))
+        if self.num_nodes < self.depth:
+            raise InvalidRequestError(
+                f"DraftTree num_nodes ({self.num_nodes}) must be >= depth ({self.depth}): a tree of depth "
+                f"{self.depth} has at least {self.depth} nodes")
+        if self.num_nodes > self.max_nodes:
+            raise InvalidRequestError(
+                f"DraftTree num_nodes ({self.num_nodes}) exceeds the {self.max_nodes} candidates a depth-"
+                f"{self.depth}, top_k-{self.top_k} tree grows (top_k + (depth - 1) * top_k^2)")
+        if self.num_nodes > MAX_TREE_NODES:
+            raise InvalidRequestError(f"DraftTree num_nodes ({self.num_nodes}) must be <= {MAX_TREE_NODES}")
+
+    @property
+    def max_nodes(self) -> int:
+        """Candidates the growth records: the root's top_k children, then top_k^2 per later depth."""
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def scratch_slots(self) -> int:
+        """Cache slots a drafter writes past its committed length while growing: top_k frontier
+        nodes at each of depth - 1 expansions."""
+        return (self.depth - 1) * self.top_k
+
+    @classmethod
+    def parse(cls, value: "DraftTree | str | tuple | list | None") -> "DraftTree | None":
+        """None, a DraftTree, a (depth, top_k, num_nodes) triple or "DEPTH,TOPK,NODES"."""
+        if value is None or isinstance(value, DraftTree):
+            return value
+        parts = value
+        if isinstance(value, str):
+            parts = value.split(",")
+            try:
+                parts = [int(part) for part in parts]
+            except ValueError:
+                raise InvalidRequestError(f"a tree is {TREE_FORMAT} (three integers); got {value!r}") from None
+        if not isinstance(parts, (tuple, list)) or len(parts) != 3:
+            raise InvalidRequestError(f"tree must be a DraftTree, a (depth, top_k, num_nodes) triple or "
+                                      f"{TREE_FORMAT!r}; got {value!r}")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.depth},{self.top_k},{self.num_nodes}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Structure: depths and ancestors
+# ----------------------------------------------------------------------------------------------
+
+
+def with_root(parents: jax.Array) -> jax.Array:
+    """int32[B, N] node parents -> int32[B, 1+N] over verify indices (the root is its own parent)."""
+    return jnp.pad(parents, ((0, 0), (1, 0)))
+
+
+def ancestor_mask(parents: jax.Array, depth: int) -> jax.Array:
+    """bool[B, 1+N, 1+N]: [b, v, u] iff u is v or an ancestor of v (the root is everyone's).
+
+    parents: int32[B, N] (verify indices); depth: the tree's depth, the longest chain to follow.
+    """
+    all_parents = with_root(parents)  # [B, 1+N]
+    size = all_parents.shape[1]
+    own = jnp.broadcast_to(jnp.eye(size, dtype=bool), all_parents.shape + (size,))
+    mask = own
+    for _ in range(depth):  # each pass adds one more generation of ancestors
+        mask = own | jnp.take_along_axis(mask, all_parents[:, :, None], axis=1)
+    return mask
+
+
+def node_depths(parents: jax.Array, depth: int) -> jax.Array:
+    """int32[B, 1+N]: each verify index's depth (the root 0)."""
+    return jnp.sum(ancestor_mask(parents, depth), axis=-1).astype(jnp.int32) - 1
+
+
+def verify_mask(parents: jax.Array, depth: int, start: jax.Array, steps: int) -> TreeMask:
+    """The target's TreeMask for a verify of `steps` >= 1 + N tokens written from slot `start`:
+    tree nodes see their ancestors; filler tokens past the tree (token lanes) see only themselves."""
+    ancestors = ancestor_mask(parents, depth)  # [B, 1+N, 1+N]
+    filler = steps - ancestors.shape[1]
+    visible = jnp.pad(ancestors, ((0, 0), (0, filler), (0, filler)))
+    own = jnp.eye(steps, dtype=bool)[None] & (jnp.arange(steps) >= ancestors.shape[1])[None, :, None]
+    return TreeMask(start=start, visible=visible | own)
+
+
+def gather_path(values: jax.Array, path: jax.Array) -> jax.Array:
+    """values [B, 1+N, ...] at the path's verify indices int32[B, P] -> [B, P, ...]."""
+    index = path.reshape(path.shape + (1,) * (values.ndim - 2))
+    return jnp.take_along_axis(values, index, axis=1)
+
+
+def _path_to(node: jax.Array, ancestors: jax.Array, depths: jax.Array, depth: int) -> jax.Array:
+    """int32[B, depth+1]: the verify indices from the root down to `node` int32[B]; entries past
+    the node's depth repeat the root (0) and are never read."""
+    on_path = jnp.take_along_axis(ancestors, node[:, None, None], axis=1)[:, 0]  # [B, 1+N]
+    at_depth = on_path[:, None, :] & (depths[:, None, :] == jnp.arange(depth + 1)[None, :, None])
+    return jnp.argmax(at_depth, axis=-1).astype(jnp.int32)  # [B, depth+1]
+
+
+def _committed(tokens: jax.Array, path: jax.Array, accepted: jax.Array, bonus: jax.Array) -> jax.Array:
+    """int32[B, depth+1]: the path's tree tokens (past the root), then the bonus at `accepted`."""
+    path_tokens = jnp.take_along_axis(tokens, path, axis=1)  # [B, depth+1]: the root's is pending
+    committed = jnp.concatenate([path_tokens[:, 1:], jnp.zeros_like(path_tokens[:, :1])], axis=1)
+    return jnp.where(jnp.arange(path.shape[1])[None, :] == accepted[:, None], bonus[:, None], committed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Acceptance
+# ----------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Accepted:
+    """One round's outcome on a tree, in chain form for the rest of the loop."""
+
+    accepted: jax.Array  # int32[B]: n, the tree nodes accepted (the path's depth)
+    committed: jax.Array  # int32[B, depth+1]: the path's n tokens, then the bonus token
+    path: jax.Array  # int32[B, depth+1]: verify indices root .. accepted node; padding past n
+
+
+def greedy_accept(pending: jax.Array, drafts: jax.Array, parents: jax.Array, num_proposed: jax.Array,
+                  target_logits: jax.Array, depth: int) -> Accepted:
+    """The longest path of target argmaxes. target_logits: [B, 1+N, V] at every verify index."""
+    tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, 1+N]
+    all_parents = with_root(parents)
+    argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, 1+N]
+    valid = jnp.arange(tokens.shape[1])[None, :] <= num_proposed[:, None]
+    matches = valid & (tokens == jnp.take_along_axis(argmax, all_parents, axis=1))
+    matches = matches.at[:, 0].set(True)
+    ancestors = ancestor_mask(parents, depth)
+    # A node is on an accepted path iff it and all its ancestors match.
+    reachable = jnp.all(ancestors <= matches[:, None, :], axis=-1)  # [B, 1+N]
+    depths = jnp.sum(ancestors, axis=-1).astype(jnp.int32) - 1
+    deepest = jnp.argmax(jnp.where(reachable, depths, -1), axis=1).astype(jnp.int32)  # [B]
+    accepted = jnp.take_along_axis(depths, deepest[:, None], axis=1)[:, 0]
+    path = _path_to(deepest, ancestors, depths, depth)
+    bonus = jnp.take_along_axis(argmax, deepest[:, None], axis=1)[:, 0]
+    return Accepted(accepted=accepted, committed=_committed(tokens, path, accepted, bonus), path=path)
+
+
+def rejection_sample(pending: jax.Array, drafts: jax.Array, parents: jax.Array, num_proposed: jax.Array,
+                     target_probs: jax.Array, key: jax.Array, depth: int) -> Accepted:
+    """Lossless multi-draft sampling over point-mass siblings (see the module docstring).
+
+    target_probs: p [B, 1+N, V], the target's processed distribution at every verify index.
+    """
+    batch, size = pending.shape[0], drafts.shape[1] + 1
+    tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, 1+N]
+    all_parents = with_root(parents)
+    valid = (jnp.arange(size)[None, :] <= num_proposed[:, None]) & (jnp.arange(size)[None, :] > 0)
+    rows = jnp.arange(batch)
+    current = jnp.zeros((batch,), jnp.int32)  # the accepted node the walk stands on
+    active = jnp.ones((batch,), bool)  # no rejection yet
+    final = jnp.zeros(target_probs[:, 0].shape, target_probs.dtype)  # [B, V]: where the bonus is drawn
+    steps = [current]
+    for level in range(depth):
+        p = target_probs[rows, current]  # [B, V]
+        children = valid & (all_parents == current[:, None]) & active[:, None]  # [B, 1+N]
+        p_child = jnp.where(children, jnp.take_along_axis(p, tokens, axis=1), 0.0)  # [B, 1+N]
+        rejected_mass = jnp.cumsum(p_child, axis=1) - p_child  # siblings tried before each child
+        uniform = jax.random.uniform(jax.random.fold_in(key, level), (batch, size))
+        keep = children & (uniform * (1.0 - rejected_mass) < p_child)
+        kept_any = jnp.any(keep, axis=1)
+        # Rejected everywhere (or a leaf): the next token comes from p without the children.
+        child_tokens = jnp.where(children, tokens, p.shape[-1])
+        residual = p.at[rows[:, None], child_tokens].set(0.0, mode="drop")
+        mass = jnp.sum(residual, axis=-1, keepdims=True)
+        # mass 0 means the children held all of p: one was then accepted with probability 1.
+        residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p)
+        final = jnp.where((active & ~kept_any)[:, None], residual, final)
+        active = active & kept_any
+        current = jnp.where(active, jnp.argmax(keep, axis=1).astype(jnp.int32), current)
+        steps.append(current)
+    final = jnp.where(active[:, None], target_probs[rows, current], final)  # every level accepted
+    bonus = jax.random.categorical(jax.random.fold_in(key, depth), jnp.log(final), axis=-1).astype(jnp.int32)
+    ancestors = ancestor_mask(parents, depth)
+    depths = jnp.sum(ancestors, axis=-1).astype(jnp.int32) - 1
+    accepted = jnp.take_along_axis(depths, current[:, None], axis=1)[:, 0]
+    path = _path_to(current, ancestors, depths, depth)
+    return Accepted(accepted=accepted, committed=_committed(tokens, path, accepted, bonus), path=path)
+
+
+def positional_seen(seen: jax.Array, tokens: jax.Array, ancestors: jax.Array) -> jax.Array:
+    """The repetition-penalty context at each verify index: the committed tokens plus the node's
+    ancestors' and its own tokens (the root's is pending, already committed).
+    seen: bool[B, V]; tokens: int32[B, 1+N]; ancestors: bool[B, 1+N, 1+N] -> bool[B, 1+N, V]."""
+    vocab = seen.shape[-1]
+    drafted = jnp.einsum("bvu,buw->bvw", ancestors.astype(jnp.float32),
+                         jax.nn.one_hot(tokens, vocab, dtype=jnp.float32)) > 0
+    return seen[:, None] | drafted
+
+
+def trie(continuations: jax.Array, real: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Several candidate continuations merged into one tree (prompt lookup's matches).
+
+    continuations: int32[B, M, D], each a chain of up to D tokens, best first; real: bool[B, M, D],
+    prefix-closed along D. Continuations that agree on a prefix share its nodes, so siblings are
+    distinct. Nodes are numbered continuation by continuation (the best one's chain first), and
+    the first `num_nodes` kept: a node's parent is on an earlier-or-same continuation, one token
+    shorter, so it is numbered first. Returns drafts int32[B, N], parents int32[B, N] (verify
+    indices) and num_proposed int32[B]; nodes past num_proposed are padding.
+    """
+    batch, count, span = continuations.shape
+    rows = jnp.arange(batch)[:, None]
+    # same[b, m, m2, d]: continuation m2 is real through d and agrees with m on tokens 0..d
+    agree = continuations[:, :, None, :] == continuations[:, None, :, :]  # [B, M, M, D]
+    same = (jnp.cumprod(agree.astype(jnp.int32), axis=-1) > 0) & real[:, None, :, :]
+    owner = jnp.argmax(same, axis=2).astype(jnp.int32)  # [B, M, D]: the first continuation with this prefix
+    new = real & (owner == jnp.arange(count)[None, :, None])  # [B, M, D]: this (m, d) is a node of its own
+    flat_new = new.reshape(batch, count * span)  # continuation-major: m, then d
+    rank = jnp.cumsum(flat_new, axis=1, dtype=jnp.int32)  # a new node's verify index, 1-based
+    kept = flat_new & (rank <= num_nodes)
+    verify_index = jnp.where(kept, rank, 0)  # [B, M*D]
+    # The parent of (m, d) is the node owning m's prefix through d - 1; the root for d = 0.
+    parent_flat = owner[:, :, :-1] * span + jnp.arange(span - 1)[None, None, :]  # [B, M, D-1]
+    parents = jnp.concatenate([jnp.zeros((batch, count, 1), jnp.int32),
+                               jnp.take_along_axis(verify_index, parent_flat.reshape(batch, -1), axis=1).reshape(
+                                   batch, count, span - 1)], axis=2).reshape(batch, count * span)
+    slot = jnp.where(kept, rank - 1, num_nodes)  # dropped past the end
+    drafts = jnp.zeros((batch, num_nodes), jnp.int32).at[rows, slot].set(
+        continuations.reshape(batch, -1), mode="drop")
+    node_parents = jnp.zeros((batch, num_nodes), jnp.int32).at[rows, slot].set(parents, mode="drop")
+    return drafts, node_parents, jnp.sum(kept, axis=1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Growth (EAGLE-2)
+# ----------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Grown:
+    """A grown tree: what the verify needs, plus where each node ran in the drafter's cache."""
+
+    drafts: jax.Array  # int32[B, N]: target token ids
+    parents: jax.Array  # int32[B, N]: verify indices
+    # int32[B, N]: the node's slot among the drafter's scratch slots (offset from its committed
+    # length), or -1 for a node the drafter never ran (a leaf of the growth)
+    scratch_slot: jax.Array
+
+
+def frontier_inputs(base: jax.Array, level: int, top_k: int, sees: jax.Array) -> tuple[jax.Array, jax.Array, TreeMask]:
+    """How a drafter whose committed length is `base` int32[B] runs growth level `level`'s
+    frontier (top_k nodes per row, at depth `level`): the cache offset it writes at (its scratch
+    slots), the nodes' positions int32[B, K] (base + level - 1, as a chain's depth-`level`
+    draft), and the TreeMask over the scratch slots from `sees` bool[B, K, M]."""
+    positions = jnp.broadcast_to((base + level - 1)[:, None], (base.shape[0], top_k))
+    return base + (level - 1) * top_k, positions, TreeMask(start=base, visible=sees)
+
+
+# expand(state, tokens int32[B, K], carry [B, K, ...], level, mask bool[B, K, M])
+#     -> (logits [B, K, V'], carry, state)
+Expand = Callable[[Any, jax.Array, Any, int, jax.Array], tuple[jax.Array, Any, Any]]
+
+
+def grow(tree: DraftTree, root_logits: jax.Array, root_carry: Any, expand: Expand,
+         to_target: Callable[[jax.Array], jax.Array], state: Any) -> tuple[Grown, Any]:
+    """EAGLE-2's dynamic tree from a drafter's next-token logits at the root [B, V'].
+
+    The root's top_k children are the first frontier. Each of depth - 1 expansions runs the
+    frontier (top_k nodes per row) through the drafter in one forward: `expand` writes their K/V
+    at scratch slots (level - 1) * top_k + j past the drafter's committed length and attends
+    under `mask` (bool[B, K, M], M = tree.scratch_slots: a frontier node sees the scratch slots
+    of its ancestors and itself). Each frontier node proposes its top_k children, scored by
+    cumulative log-probability, and the best top_k of those k^2 become the next frontier. Finally
+    the best `num_nodes` of all candidates are kept, in the order they were grown: since a child
+    scores at most its parent and top_k breaks ties to the lower index, every kept node's parent
+    is kept and comes before it. `root_carry` ([B, ...]) is what the root's children run with
+    (a feature head's g); `expand` returns each frontier node's carry for its children, and
+    threads the drafter's `state` (its cache), returned beside the tree. `to_target` maps drafter
+    ids to target ids.
+    """
+    K, M = tree.top_k, tree.scratch_slots
+    batch = root_logits.shape[0]
+    rows = jnp.arange(batch)[:, None]
+    scores, ids = jax.lax.top_k(jax.nn.log_softmax(root_logits.astype(jnp.float32), axis=-1), K)  # [B, K]
+    all_scores, all_ids = [scores], [ids]
+    all_parents = [jnp.full((batch, K), -1, jnp.int32)]  # candidate index of the parent; -1: the root
+    all_slots = [jnp.arange(K, dtype=jnp.int32)[None, :].repeat(batch, 0) if tree.depth > 1
+                 else jnp.full((batch, K), -1, jnp.int32)]
+    frontier = jnp.arange(K, dtype=jnp.int32)[None, :].repeat(batch, 0)  # [B, K]: candidate indices
+    carry = jax.tree.map(lambda x: jnp.repeat(x[:, None], K, axis=1), root_carry)
+    sees = jnp.eye(K, M, dtype=bool)[None].repeat(batch, 0)  # [B, K, M]: first frontier at slots 0..K-1
+    count = K
+    for level in range(1, tree.depth):
+        tokens = to_target(jnp.take_along_axis(jnp.concatenate(all_ids, axis=1), frontier, axis=1))
+        logits, carry, state = expand(state, tokens, carry, level, sees)  # logits [B, K, V']
+        child_scores, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), K)
+        frontier_scores = jnp.take_along_axis(jnp.concatenate(all_scores, axis=1), frontier, axis=1)
+        child_scores = (frontier_scores[:, :, None] + child_scores).reshape(batch, K * K)  # [B, K*K]
+        all_scores.append(child_scores)
+        all_ids.append(child_ids.reshape(batch, K * K))
+        all_parents.append(jnp.repeat(frontier, K, axis=1))
+        _, best = jax.lax.top_k(child_scores, K)  # [B, K]: the next frontier among the children
+        slots = jnp.full((batch, K * K), -1, jnp.int32)
+        if level + 1 < tree.depth:  # the next frontier will run, at these scratch slots
+            slots = slots.at[rows, best].set(level * K + jnp.arange(K, dtype=jnp.int32)[None, :])
+            sees = jnp.take_along_axis(sees, (best // K)[:, :, None], axis=1)  # inherit the parent's
+            sees = sees | (jnp.arange(M)[None, None, :] == (level * K + jnp.arange(K))[None, :, None])
+        all_slots.append(slots)
+        carry = jax.tree.map(lambda x: jnp.take_along_axis(
+            x, (best // K).reshape((batch, K) + (1,) * (x.ndim - 2)), axis=1), carry)
+        frontier = count + best
+        count += K * K
+
+    scores, ids = jnp.concatenate(all_scores, axis=1), jnp.concatenate(all_ids, axis=1)  # [B, C]
+    parents, slots = jnp.concatenate(all_parents, axis=1), jnp.concatenate(all_slots, axis=1)
+    _, kept = jax.lax.top_k(scores, tree.num_nodes)
+    kept = jnp.sort(kept, axis=1)  # [B, N]: grown order, parents first
+    # A candidate's verify index is its rank among the kept (1-based); the root's is 0.
+    verify_index = jnp.zeros(scores.shape, jnp.int32).at[rows, kept].set(
+        jnp.arange(1, tree.num_nodes + 1, dtype=jnp.int32)[None, :])
+    kept_parents = jnp.take_along_axis(parents, kept, axis=1)
+    node_parents = jnp.where(kept_parents < 0, 0,
+                             jnp.take_along_axis(verify_index, jnp.maximum(kept_parents, 0), axis=1))
+    grown = Grown(drafts=to_target(jnp.take_along_axis(ids, kept, axis=1)), parents=node_parents,
+                  scratch_slot=jnp.take_along_axis(slots, kept, axis=1))
+    return grown, state
