@@ -198,14 +198,15 @@ def tiny32():
 ], ids=["f32-q8_0", "f32-q8_0,q5_1-interpret", "int8"])
 def test_quantized_kv_and_weights_keep_tree_greedy_exact(tiny32, weights, kv_format, attention):
     """The verify writes quantized K/V for every node and the accepted path's are gathered into
-    place; the Pallas kernel (interpreted) reads the tree mask; int8 weights pad the verify to their
-    token lanes. The layer-skip draft accepts real paths, so all of that is exercised.
+    place; the Pallas kernel (interpreted) reads the tree mask; int8 weights pad the verify with
+    filler tokens to their token lanes. The layer-skip draft accepts real paths, so all of that is
+    exercised.
 
     Float32 weights make tree greedy exact (a divergence only at a float near-tie). Under int8 a
     tree node's last-bit attention differences can flip an activation's rounding, so exactness is
-    not guaranteed there (docs/design.md; the default model diverges, bench/RESULTS.md); this
-    2-layer model's margins absorb the flips, so the int8 case checks the mechanics with the same
-    assertion."""
+    not guaranteed there (docs/design.md; the default model diverges, bench/RESULTS.md); on this
+    2-layer model the flips stay below the argmax margins, so the int8 case checks the filler
+    mechanics (a wrong logit index or a filler seen by a node breaks it) with the same assertion."""
     model = jaxspec.convert_weights(tiny32, weights)
     options = dict(max_new_tokens=NEW_TOKENS, ignore_eos=True, kv_format=kv_format, attention=attention)
     reference = jaxspec.generate(model, None, PROMPTS, **options)
