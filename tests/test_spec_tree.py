@@ -255,6 +255,7 @@ def test_stream_and_the_cli_give_generates_text_and_the_tree_stats(tiny, tiny_ca
     (dict(method="plain", tree=CHAIN), r"a draft tree needs a proposer"),
     (dict(method="layer_skip", exit_layer=1, tree=CHAIN, temperature=0.8, draft_sampling="sample"),
      r"draft_sampling='sample' applies to chains"),
+    (dict(method="layer_skip", exit_layer=1, tree=(1, 100000, 3)), r"tree top_k \(100000\) exceeds the \d+ tokens"),
 ])
 def test_bad_tree_requests_fail_before_compile(tiny_model, kwargs, message):
     with compilation.CompileWatch("a bad tree request") as watch:

@@ -108,6 +108,13 @@ def _samples_drafts(sampler: SamplerSpec, options: DraftOptions) -> bool:
     return not sampler.greedy and options.draft_sampling != "argmax"
 
 
+def _check_tree_top_k(options: DraftOptions, vocab: int, whose: str) -> None:
+    """A tree expands each node's top_k children: the drafter must have that many tokens."""
+    if options.tree is not None and options.tree.top_k > vocab:
+        raise InvalidRequestError(f"tree top_k ({options.tree.top_k}) exceeds the {vocab} tokens the {whose} "
+                                  f"drafts from")
+
+
 def _refuse_hybrid_tree(config: Any, whose: str, options: DraftOptions) -> None:
     """Trees need an attention-only trunk: a recurrent layer keeps one state per position, and a
     tree's siblings share a position."""
@@ -163,6 +170,7 @@ def _draft_model(method: Method, target: Model, draft: Model, options: DraftOpti
             f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
             f"({target.config.vocab_size}); a draft model must share the target's tokenizer")
     _refuse_hybrid_tree(draft.config, "draft", options)
+    _check_tree_top_k(options, draft.config.vocab_size, "draft model")
     k = options.num_draft
     sample = _samples_drafts(sampler, options)
     proposer = proposers.DraftModel(num_draft=k, config=_with_rollback_ring(draft.config, k), sample=sample,
@@ -207,6 +215,7 @@ def _eagle3(target: Model, head: Model | None, options: DraftOptions, sampler: S
     if len(aux) != 3 or any(not 0 <= i < layers for i in aux):
         raise InvalidRequestError(
             f"EAGLE-3 aux layer ids {aux} must be three layer indices in [0, {layers}) of the target")
+    _check_tree_top_k(options, cfg.draft_vocab_size, "EAGLE-3 head")
     sample = _samples_drafts(sampler, options)
     proposer = proposers.Eagle3(num_draft=options.num_draft, config=cfg, aux_layer_ids=tuple(aux),
                                 sample=sample, sampler=sampler if sample else None, tree=options.tree)
@@ -215,6 +224,7 @@ def _eagle3(target: Model, head: Model | None, options: DraftOptions, sampler: S
 
 def _mtp(target: Model, head: Model | None, options: DraftOptions, sampler: SamplerSpec) -> Speculation:
     cfg = _check_head(target, head, mtp.MtpConfig, Method.MTP, "MTP", "jaxspec.load_mtp(MODEL_DIR)")
+    _check_tree_top_k(options, cfg.vocab_size, "MTP head")
     sample = _samples_drafts(sampler, options)
     proposer = proposers.Mtp(num_draft=options.num_draft, config=cfg, target_layers=target.config.num_layers,
                              sample=sample, sampler=sampler if sample else None, tree=options.tree)

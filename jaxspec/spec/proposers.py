@@ -141,7 +141,7 @@ class PromptLookup:
     def propose(self, draft_params, state, context: Context):
         tokens, length = context.tokens, context.length
         size = tokens.shape[1]
-        matches = 1 if self.tree is None else self.tree.top_k
+        matches = 1 if self.tree is None else min(self.tree.top_k, size)  # there are only S starts
         span = self.num_draft  # k, or the tree's depth
         best, starts = jax.lax.top_k(self._match_scores(tokens, length), matches)  # [B, M]
         follow = starts + best // size  # [B, M]: the first token after each match
