@@ -76,3 +76,28 @@ def assert_same_greedy(ours: list[int], reference: list[int], reference_logits_a
             print(f"greedy near-tie at step {i}: top-2 margin {margin:.3e} relative")
             return
     assert len(ours) == len(reference), f"lengths differ: {len(ours)} vs {len(reference)}"
+
+
+_reference_forward = jax.jit(llama.forward, static_argnums=1)
+
+
+def reference_logits(model, prompt: list[int], generated: list[int]):
+    """reference_logits(model, prompt, generated)(i): the Llama-family model's logits [V] for the
+    step that produced generated[i], from one fresh forward over prompt + generated[:i]."""
+    from jaxspec.cache import KVCache
+
+    def at(step):
+        sequence = np.asarray([prompt + generated[:step]], np.int32)
+        logits, _, _ = _reference_forward(model.params, model.config, sequence,
+                                          KVCache.create(model.config, 1, 128))
+        return logits[0, -1]
+    return at
+
+
+def assert_plain_greedy(model, prompts, result, reference) -> None:
+    """Every row of `result` equals plain greedy `reference` token for token (a divergence only at
+    a shown float near-tie), with the same finish reasons."""
+    for row, prompt in enumerate(prompts):
+        assert_same_greedy(result.tokens[row], reference.tokens[row],
+                           reference_logits(model, prompt, reference.tokens[row]))
+    assert result.finish_reason == reference.finish_reason

@@ -9,13 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 import jaxspec
-from jaxspec.cache import KVCache
 from jaxspec.models import llama
-from tests.conftest import TINY, assert_same_greedy
+from tests.conftest import TINY, assert_plain_greedy
 
 # Prompts with repeats, so prompt lookup finds matches; ragged lengths 13, 6 and 21.
 PROMPTS = [
@@ -23,7 +21,6 @@ PROMPTS = [
     [40, 41, 42, 40, 41, 42],
     [9, 8, 7, 6, 5, 4, 30, 31, 32, 33, 9, 8, 7, 6, 5, 4, 30, 31, 32, 33, 9],
 ]
-forward = jax.jit(llama.forward, static_argnums=1)
 
 
 @pytest.fixture(scope="module")
@@ -35,21 +32,6 @@ def draft_model(tiny_model):
 
 def _plain(model, prompts, max_new, **kwargs):
     return jaxspec.generate(model, None, prompts, max_new_tokens=max_new, **kwargs)
-
-
-def _reference_logits(model, prompt, generated):
-    def at(step):
-        seq = prompt + generated[:step]
-        logits, _, _ = forward(model.params, model.config, jnp.asarray([seq]), KVCache.create(model.config, 1, 128))
-        return logits[0, -1]
-    return at
-
-
-def _assert_exact(model, prompts, result, reference):
-    for row, prompt in enumerate(prompts):
-        assert_same_greedy(result.tokens[row], reference.tokens[row],
-                           _reference_logits(model, prompt, reference.tokens[row]))
-    assert result.finish_reason == reference.finish_reason
 
 
 def _method_kwargs(method, model, draft_model):
@@ -66,7 +48,7 @@ def test_ragged_batch_matches_plain_greedy(tiny_model, draft_model, method, k):
     reference = _plain(tiny_model, PROMPTS, 30, ignore_eos=True)
     result = jaxspec.generate(tiny_model, prompt=PROMPTS, max_new_tokens=30, ignore_eos=True,
                               num_draft_tokens=k, **_method_kwargs(method, tiny_model, draft_model))
-    _assert_exact(tiny_model, PROMPTS, result, reference)
+    assert_plain_greedy(tiny_model, PROMPTS, result, reference)
     stats = result.stats
     assert stats.method == method and stats.num_draft_tokens == k
     assert 0 <= stats.accepted <= stats.proposed <= k * stats.rounds
@@ -80,7 +62,7 @@ def test_batch_of_one_matches_plain_greedy(tiny_model, draft_model, method):
         reference = _plain(tiny_model, prompt, 25, ignore_eos=True)
         result = jaxspec.generate(tiny_model, prompt=prompt, max_new_tokens=25, ignore_eos=True,
                                   num_draft_tokens=4, **_method_kwargs(method, tiny_model, draft_model))
-        _assert_exact(tiny_model, [prompt], result, reference)
+        assert_plain_greedy(tiny_model, [prompt], result, reference)
 
 
 def test_draft_identical_to_target_accepts_everything(tiny_model):
@@ -101,7 +83,7 @@ def test_random_draft_is_still_exact_with_low_acceptance(tiny_model, draft_model
     result = jaxspec.generate(tiny_model, draft_model, PROMPTS, max_new_tokens=30, ignore_eos=True,
                               num_draft_tokens=4)
     reference = _plain(tiny_model, PROMPTS, 30, ignore_eos=True)
-    _assert_exact(tiny_model, PROMPTS, result, reference)
+    assert_plain_greedy(tiny_model, PROMPTS, result, reference)
     assert result.stats.acceptance_rate < 0.5
     assert result.stats.tau < 2.5
 

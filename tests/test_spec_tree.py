@@ -20,9 +20,8 @@ import pytest
 
 import jaxspec
 from jaxspec import cli, compilation
-from jaxspec.cache import KVCache
-from jaxspec.models import eagle3, llama, mtp, qwen35
-from tests.conftest import TINY, assert_same_greedy
+from jaxspec.models import eagle3, mtp, qwen35
+from tests.conftest import TINY, assert_plain_greedy
 from tests.test_cli import run, stats_lines, tiny, tiny_cache  # noqa: F401 (fixtures)
 from tests.test_eagle3 import HEAD
 from tests.test_kv_quant import TINY32, random_params
@@ -33,7 +32,6 @@ DRAFT = dataclasses.replace(TINY, num_layers=1, dim=32, num_heads=2, num_kv_head
 DEPTH_ONE, CHAIN, BUSHY = (1, 3, 3), (4, 1, 4), (3, 4, 12)
 SINGLE = PROMPTS[2]  # 21 tokens with repeats: prompt lookup finds matches
 NEW_TOKENS = 24
-forward = jax.jit(llama.forward, static_argnums=1)
 
 
 @pytest.fixture(scope="module")
@@ -73,23 +71,6 @@ def mtp_head():
     """A random MTP head on the Llama target, as test_mtp's test_random_head_on_a_llama_target."""
     cfg = mtp.MtpConfig(block=TINY)
     return jaxspec.Model(config=cfg, params=mtp.init_params(cfg, jax.random.PRNGKey(3)))
-
-
-def reference_logits(model, prompt, generated):
-    """reference_logits(i): the model's logits [V] for the step that produced generated[i]."""
-    def at(step):
-        sequence = jnp.asarray([prompt + generated[:step]], jnp.int32)
-        logits, _, _ = forward(model.params, model.config, sequence, KVCache.create(model.config, 1, 128))
-        return logits[0, -1]
-    return at
-
-
-def assert_plain_greedy(model, prompts, result, reference):
-    """Token for token (a divergence only at a shown float near-tie), and the same finish."""
-    for row, prompt in enumerate(prompts):
-        assert_same_greedy(result.tokens[row], reference.tokens[row],
-                           reference_logits(model, prompt, reference.tokens[row]))
-    assert result.finish_reason == reference.finish_reason
 
 
 def assert_tree_stats(stats: jaxspec.SpecStats, tree: tuple[int, int, int]) -> None:
