@@ -155,6 +155,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        check_sizes_and_numerics(self, ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                        "ffn_dim", "max_position_embeddings"))
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -167,6 +169,30 @@ class ModelConfig:
     @property
     def group_size(self) -> int:  # G: query heads per kv head
         return self.num_heads // self.num_kv_heads
+
+
+def check_sizes_and_numerics(cfg: Any, sizes: tuple[str, ...]) -> None:
+    """UnsupportedModelError unless every field in `sizes` is >= 1 and rope_theta and norm_eps are
+    finite and > 0: a zero dimension, a NaN theta or a non-positive epsilon would otherwise load
+    and compute garbage (a NaN theta makes every RoPE angle NaN, and generate returns zeros)."""
+    for name in sizes:
+        value = getattr(cfg, name)
+        if value < 1:
+            raise UnsupportedModelError(f"{name}={value} must be >= 1")
+    for name in ("rope_theta", "norm_eps"):
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and value > 0):
+            raise UnsupportedModelError(f"{name}={value} must be a finite number > 0")
+
+
+def flag(value: Any, name: str) -> bool:
+    """A config's boolean: true/false (or 0/1). A string such as "false" is refused: bool("false")
+    is True, and a truthy string would silently drop a tied model's lm_head."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be true or false; got {value!r}")
 
 
 def resolve_rotary_dim(hf: Mapping[str, Any], head_dim: int) -> int:
@@ -244,7 +270,7 @@ def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         high_freq_factor=number("high_freq_factor"),
         beta_fast=number("beta_fast") or 32.0,
         beta_slow=number("beta_slow") or 1.0,
-        truncate=bool(scaling.get("truncate", True)),
+        truncate=flag(scaling.get("truncate", True), "rope_scaling.truncate"),
         mscale=number("mscale"),
         mscale_all_dim=number("mscale_all_dim"),
         attention_factor=number("attention_factor"),
@@ -318,8 +344,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
             rope_scaling=scaling,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=context,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", architecture is Architecture.QWEN2)),
+            tie_embeddings=flag(hf.get("tie_word_embeddings", False), "tie_word_embeddings"),
+            attention_bias=flag(hf.get("attention_bias", architecture is Architecture.QWEN2), "attention_bias"),
             qk_norm=architecture is Architecture.QWEN3,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf.get("eos_token_id")),

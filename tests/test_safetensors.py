@@ -124,3 +124,25 @@ def test_a_config_value_of_the_wrong_type_is_a_checkpoint_error(hf_dirs, tmp_pat
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(jaxspec.JaxspecError, match="config"):
         checkpoints.load_checkpoint(directory)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("rope_theta", float("nan"), r"rope_theta=nan must be a finite number > 0"),
+    ("rope_theta", float("inf"), r"rope_theta=inf must be a finite number > 0"),
+    ("rms_norm_eps", 0.0, r"norm_eps=0.0 must be a finite number > 0"),
+    ("rms_norm_eps", -1e-6, r"norm_eps=-1e-06 must be a finite number > 0"),
+    ("max_position_embeddings", 0, r"max_position_embeddings=0 must be >= 1"),
+    ("intermediate_size", -1, r"ffn_dim=-1 must be >= 1"),
+    ("tie_word_embeddings", "false", r"tie_word_embeddings must be true or false; got 'false'"),
+])
+def test_a_config_value_that_makes_no_sense_is_refused_by_name(hf_dirs, tmp_path, key, value, message):
+    """Values of the right type that cannot describe a model (a NaN theta would make every RoPE
+    angle NaN; "false" is a truthy string that would drop lm_head) are refused, naming the field."""
+    directory = fx.copy_dir(hf_dirs["llama-untied"][0], tmp_path / "hf")
+    config = fx.hf_config(directory)
+    config[key] = value
+    if key in config.get("rope_parameters", {}):  # transformers 5 keeps theta there too, and it wins
+        config["rope_parameters"][key] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(jaxspec.JaxspecError, match=rf"config\.json: .*{message}"):
+        checkpoints.load_checkpoint(directory)

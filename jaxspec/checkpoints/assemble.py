@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxspec.errors import CheckpointError, JaxspecError
+from jaxspec.errors import CheckpointError, JaxspecError, UnsupportedModelError
 from jaxspec.models.family import TensorSource
 from jaxspec.models.params import is_shape
 
@@ -86,9 +86,13 @@ def to_jax(params: Any) -> Any:
 def config_values_checked(source: Any):
     """Turn what a config parse raises on a value of the wrong type or range (int("abc"), a
     division by a zero head count, a list where a dict belongs) into a CheckpointError naming
-    `source`; jaxspec's own errors pass through."""
+    `source`; a config jaxspec refuses (UnsupportedModelError: a zero size, a NaN theta, an
+    unknown RoPE type) is re-raised with `source` named; other jaxspec errors pass through."""
     try:
         yield
+    except UnsupportedModelError as err:
+        message = str(err)
+        raise UnsupportedModelError(message if message.startswith(f"{source}:") else f"{source}: {message}") from None
     except JaxspecError:
         raise
     except (TypeError, ValueError, ArithmeticError, KeyError, IndexError, AttributeError) as err:

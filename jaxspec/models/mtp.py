@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig
+from jaxspec.config import ModelConfig, flag
 from jaxspec.config import config_from_hf as trunk_config_from_hf
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models import llama
@@ -177,5 +177,5 @@ def config_from_hf(hf: Mapping[str, Any]) -> MtpConfig:
         # A sliding layer attends like a full one up to its window: the head serves contexts
         # that fit in it (a request beyond is refused, see jaxspec.api).
         block = dataclasses.replace(block, max_position_embeddings=min(block.max_position_embeddings, int(window)))
-    return MtpConfig(block=block, hidden_first=bool(hf.get("mtp_hidden_states_first", False)),
+    return MtpConfig(block=block, hidden_first=flag(hf.get("mtp_hidden_states_first", False), "mtp_hidden_states_first"),
                      num_checkpoint_layers=int(count))

@@ -45,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.config import RopeScaling, _rope_settings, from_json_dict, resolve_rotary_dim, to_json_dict
+from jaxspec.config import (RopeScaling, _rope_settings, check_sizes_and_numerics, flag, from_json_dict,
+                            resolve_rotary_dim, to_json_dict)
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models.family import Family, TensorSource
 from jaxspec.models.gated_deltanet import DeltaNetParams, DeltaRule, gated_delta_net
@@ -120,6 +121,9 @@ class Qwen35Config:
                 f"layer_types has {len(layer_types)} entries but num_layers is {self.num_layers}; "
                 "the layer pattern must name every layer")
         object.__setattr__(self, "layer_types", layer_types[: self.num_layers])
+        check_sizes_and_numerics(self, ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                        "ffn_dim", "max_position_embeddings", "linear_num_key_heads",
+                                        "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
         checks = [
             (self.num_layers >= 1, f"num_layers={self.num_layers} must be >= 1"),
             (self.num_heads % self.num_kv_heads == 0,
@@ -461,7 +465,7 @@ def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8, recorded_
             # longrope is exact only up to its original context (config.RopeScaling.context_limit)
             max_position_embeddings=min(int(text.get("max_position_embeddings", 2048)),
                                         (scaling.context_limit if scaling is not None else None) or 1 << 62),
-            tie_embeddings=bool(tie),
+            tie_embeddings=flag(tie, "tie_word_embeddings"),
             bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=() if eos is None else ((int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)),
             rollback_states=rollback_states,
