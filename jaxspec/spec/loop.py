@@ -8,9 +8,9 @@ by n + 1 and the bonus token becomes the next pending one. Plain decoding is the
 no proposer (k = 0). With a draft tree (`jaxspec.spec.tree`) the proposer drafts N nodes, the
 target scores `[pending] + N` under the tree's ancestor mask, each row accepts a root-to-node
 path of n <= depth nodes, and the path's K/V are gathered into contiguous slots before the
-cache advances; from there the round goes on exactly as a chain's. `generate` runs `prefill` and `decode` as two jitted calls (the host
-times each); the streaming path calls `prefill` and then `stream_step` (a round plus the tokens it
-committed) from a Python loop.
+cache advances; from there the round goes on exactly as a chain's. `generate` runs `prefill`
+and `decode` as two jitted calls (the host times each); the streaming path calls `prefill` and
+then `stream_step` (a round plus the tokens it committed) from a Python loop.
 
 Invariant for a running row, with h = prompt_length + num_generated tokens of context:
     tokens[:h] is the prompt then the generated tokens; tokens[h - 1] is `pending` (committed,

@@ -134,7 +134,12 @@ def ancestor_mask(parents: jax.Array, depth: int) -> jax.Array:
 
 def node_depths(parents: jax.Array, depth: int) -> jax.Array:
     """int32[B, 1+N]: each verify index's depth (the root 0)."""
-    return jnp.sum(ancestor_mask(parents, depth), axis=-1).astype(jnp.int32) - 1
+    return _depths(ancestor_mask(parents, depth))
+
+
+def _depths(ancestors: jax.Array) -> jax.Array:
+    """int32[B, 1+N] depths from an ancestor mask: a node's ancestors-or-self, less itself."""
+    return jnp.sum(ancestors, axis=-1).astype(jnp.int32) - 1
 
 
 def verify_mask(parents: jax.Array, depth: int, start: jax.Array, steps: int) -> TreeMask:
@@ -153,19 +158,22 @@ def gather_path(values: jax.Array, path: jax.Array) -> jax.Array:
     return jnp.take_along_axis(values, index, axis=1)
 
 
-def _path_to(node: jax.Array, ancestors: jax.Array, depths: jax.Array, depth: int) -> jax.Array:
-    """int32[B, depth+1]: the verify indices from the root down to `node` int32[B]; entries past
-    the node's depth repeat the root (0) and are never read."""
+def _accepted_at(node: jax.Array, bonus: jax.Array, tokens: jax.Array, ancestors: jax.Array,
+                 depth: int) -> "Accepted":
+    """A round that accepted the path from the root down to `node` int32[B], then `bonus` int32[B].
+
+    tokens: int32[B, 1+N] (the root's is pending); ancestors: bool[B, 1+N, 1+N]. The path's
+    entries past the node's depth repeat the root (0) and are never read.
+    """
+    depths = _depths(ancestors)  # [B, 1+N]
+    accepted = jnp.take_along_axis(depths, node[:, None], axis=1)[:, 0]  # [B]
     on_path = jnp.take_along_axis(ancestors, node[:, None, None], axis=1)[:, 0]  # [B, 1+N]
     at_depth = on_path[:, None, :] & (depths[:, None, :] == jnp.arange(depth + 1)[None, :, None])
-    return jnp.argmax(at_depth, axis=-1).astype(jnp.int32)  # [B, depth+1]
-
-
-def _committed(tokens: jax.Array, path: jax.Array, accepted: jax.Array, bonus: jax.Array) -> jax.Array:
-    """int32[B, depth+1]: the path's tree tokens (past the root), then the bonus at `accepted`."""
-    path_tokens = jnp.take_along_axis(tokens, path, axis=1)  # [B, depth+1]: the root's is pending
+    path = jnp.argmax(at_depth, axis=-1).astype(jnp.int32)  # [B, depth+1]
+    path_tokens = jnp.take_along_axis(tokens, path, axis=1)  # [B, depth+1]
     committed = jnp.concatenate([path_tokens[:, 1:], jnp.zeros_like(path_tokens[:, :1])], axis=1)
-    return jnp.where(jnp.arange(path.shape[1])[None, :] == accepted[:, None], bonus[:, None], committed)
+    committed = jnp.where(jnp.arange(depth + 1)[None, :] == accepted[:, None], bonus[:, None], committed)
+    return Accepted(accepted=accepted, committed=committed, path=path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,12 +203,9 @@ def greedy_accept(pending: jax.Array, drafts: jax.Array, parents: jax.Array, num
     ancestors = ancestor_mask(parents, depth)
     # A node is on an accepted path iff it and all its ancestors match.
     reachable = jnp.all(ancestors <= matches[:, None, :], axis=-1)  # [B, 1+N]
-    depths = jnp.sum(ancestors, axis=-1).astype(jnp.int32) - 1
-    deepest = jnp.argmax(jnp.where(reachable, depths, -1), axis=1).astype(jnp.int32)  # [B]
-    accepted = jnp.take_along_axis(depths, deepest[:, None], axis=1)[:, 0]
-    path = _path_to(deepest, ancestors, depths, depth)
+    deepest = jnp.argmax(jnp.where(reachable, _depths(ancestors), -1), axis=1).astype(jnp.int32)  # [B]
     bonus = jnp.take_along_axis(argmax, deepest[:, None], axis=1)[:, 0]
-    return Accepted(accepted=accepted, committed=_committed(tokens, path, accepted, bonus), path=path)
+    return _accepted_at(deepest, bonus, tokens, ancestors, depth)
 
 
 def rejection_sample(pending: jax.Array, drafts: jax.Array, parents: jax.Array, num_proposed: jax.Array,
@@ -217,7 +222,6 @@ def rejection_sample(pending: jax.Array, drafts: jax.Array, parents: jax.Array, 
     current = jnp.zeros((batch,), jnp.int32)  # the accepted node the walk stands on
     active = jnp.ones((batch,), bool)  # no rejection yet
     final = jnp.zeros(target_probs[:, 0].shape, target_probs.dtype)  # [B, V]: where the bonus is drawn
-    steps = [current]
     for level in range(depth):
         p = target_probs[rows, current]  # [B, V]
         children = valid & (all_parents == current[:, None]) & active[:, None]  # [B, 1+N]
@@ -235,14 +239,9 @@ def rejection_sample(pending: jax.Array, drafts: jax.Array, parents: jax.Array, 
         final = jnp.where((active & ~kept_any)[:, None], residual, final)
         active = active & kept_any
         current = jnp.where(active, jnp.argmax(keep, axis=1).astype(jnp.int32), current)
-        steps.append(current)
     final = jnp.where(active[:, None], target_probs[rows, current], final)  # every level accepted
     bonus = jax.random.categorical(jax.random.fold_in(key, depth), jnp.log(final), axis=-1).astype(jnp.int32)
-    ancestors = ancestor_mask(parents, depth)
-    depths = jnp.sum(ancestors, axis=-1).astype(jnp.int32) - 1
-    accepted = jnp.take_along_axis(depths, current[:, None], axis=1)[:, 0]
-    path = _path_to(current, ancestors, depths, depth)
-    return Accepted(accepted=accepted, committed=_committed(tokens, path, accepted, bonus), path=path)
+    return _accepted_at(current, bonus, tokens, ancestor_mask(parents, depth), depth)
 
 
 def positional_seen(seen: jax.Array, tokens: jax.Array, ancestors: jax.Array) -> jax.Array:
@@ -345,19 +344,20 @@ def grow(tree: DraftTree, root_logits: jax.Array, root_carry: Any, expand: Expan
     all_slots = [jnp.arange(K, dtype=jnp.int32)[None, :].repeat(batch, 0) if tree.depth > 1
                  else jnp.full((batch, K), -1, jnp.int32)]
     frontier = jnp.arange(K, dtype=jnp.int32)[None, :].repeat(batch, 0)  # [B, K]: candidate indices
+    frontier_ids, frontier_scores = ids, scores  # [B, K] each: the frontier's drafter ids and scores
     carry = jax.tree.map(lambda x: jnp.repeat(x[:, None], K, axis=1), root_carry)
     sees = jnp.eye(K, M, dtype=bool)[None].repeat(batch, 0)  # [B, K, M]: first frontier at slots 0..K-1
     count = K
     for level in range(1, tree.depth):
-        tokens = to_target(jnp.take_along_axis(jnp.concatenate(all_ids, axis=1), frontier, axis=1))
-        logits, carry, state = expand(state, tokens, carry, level, sees)  # logits [B, K, V']
+        logits, carry, state = expand(state, to_target(frontier_ids), carry, level, sees)  # logits [B, K, V']
         child_scores, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), K)
-        frontier_scores = jnp.take_along_axis(jnp.concatenate(all_scores, axis=1), frontier, axis=1)
         child_scores = (frontier_scores[:, :, None] + child_scores).reshape(batch, K * K)  # [B, K*K]
+        child_ids = child_ids.reshape(batch, K * K)
         all_scores.append(child_scores)
-        all_ids.append(child_ids.reshape(batch, K * K))
+        all_ids.append(child_ids)
         all_parents.append(jnp.repeat(frontier, K, axis=1))
-        _, best = jax.lax.top_k(child_scores, K)  # [B, K]: the next frontier among the children
+        frontier_scores, best = jax.lax.top_k(child_scores, K)  # [B, K]: the next frontier among the children
+        frontier_ids = jnp.take_along_axis(child_ids, best, axis=1)
         slots = jnp.full((batch, K * K), -1, jnp.int32)
         if level + 1 < tree.depth:  # the next frontier will run, at these scratch slots
             slots = slots.at[rows, best].set(level * K + jnp.arange(K, dtype=jnp.int32)[None, :])
