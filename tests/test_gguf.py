@@ -6,6 +6,9 @@ llama.cpp does, by ckpt_fixtures' own writer), and gguf.GGUFReader for offsets.
 
 from __future__ import annotations
 
+import pathlib
+import struct
+
 import gguf
 import numpy as np
 import pytest
@@ -120,3 +123,72 @@ def test_gguf_missing_tensor(hf_dirs, tmp_path):
     with pytest.raises(CheckpointError, match="blk.1.ffn_up.weight"):
         checkpoints.load_checkpoint(path, use_cache=False)
 
+
+
+# --- Tensor infos checked against the file (hostile input) ------------------------------------
+
+def _info_fields(data: bytes, name: str) -> dict[str, int]:
+    """Byte positions of one tensor info's fields in a GGUF header: n_dims, each ne, type, offset."""
+    key = struct.pack("<Q", len(name)) + name.encode()
+    at = data.index(key) + len(key)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    fields = {"n_dims": at, **{f"ne{i}": at + 4 + 8 * i for i in range(n_dims)}}
+    fields["type"] = at + 4 + 8 * n_dims
+    fields["offset"] = fields["type"] + 4
+    return fields
+
+
+def _mutated(path, tmp_path, name: str, field: str, fmt: str, value) -> "pathlib.Path":
+    data = bytearray(path.read_bytes())
+    struct.pack_into(fmt, data, _info_fields(bytes(data), name)[field], value)
+    out = tmp_path / "mutated.gguf"
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize(("name", "field", "fmt", "value", "problem"), [
+    # A Q4_1 tensor re-declared Q4_0 in place: the same shape in fewer bytes, read as other numbers.
+    ("blk.0.attn_q.weight", "type", "<I", int(QT.Q4_0), "changed in place"),
+    # An F32 norm re-declared I32: its bit patterns would load as integers.
+    ("blk.0.attn_norm.weight", "type", "<I", int(QT.I32), "integer type"),
+    ("blk.0.ffn_gate.weight", "offset", "<Q", 64, "starts at data offset 64"),
+    ("blk.0.attn_norm.weight", "n_dims", "<I", 0, "has 0 dims"),
+    ("blk.0.attn_norm.weight", "ne0", "<Q", 0, "has shape"),
+    ("blk.0.attn_norm.weight", "ne0", "<Q", 2**62, "ends at byte|changed in place"),
+], ids=["q4_1-as-q4_0", "f32-as-i32", "shifted-offset", "no-dims", "empty-dim", "huge-dim"])
+def test_corrupt_tensor_infos_are_refused_naming_the_tensor(tiny_gguf, tmp_path, name, field, fmt, value, problem):
+    path, _ = tiny_gguf
+    bad = _mutated(path, tmp_path, name, field, fmt, value)
+    with pytest.raises(CheckpointError, match=problem) as err:
+        checkpoints.load_checkpoint(bad, use_cache=False)
+    assert str(bad) in str(err.value) or name in str(err.value)
+
+
+def test_a_tensor_declared_twice_is_refused(tiny_gguf, tmp_path):
+    path, _ = tiny_gguf
+    data = path.read_bytes()
+    # Rename one tensor to its neighbour's name of the same length: two infos, one name.
+    first, second = b"blk.0.ffn_up.weight", b"blk.1.ffn_up.weight"
+    bad = tmp_path / "twice.gguf"
+    bad.write_bytes(data.replace(second, first, 1))
+    with pytest.raises(CheckpointError, match="declared twice"):
+        checkpoints.load_checkpoint(bad, use_cache=False)
+
+
+@pytest.mark.parametrize("block_count", [1, 3, 0, 0xFFFFFFFF])
+def test_block_count_must_match_the_layers_in_the_file(hf_dirs, tmp_path, block_count):
+    """A count other than the file's layers is refused before anything is sized by it (0xFFFFFFFF
+    would build four billion layers; 1 on a 2-layer file would silently load one)."""
+    directory, state_dict = hf_dirs["llama-untied"]
+    config = fx.hf_config(directory)
+    assert config["num_hidden_layers"] == 2
+    path = tmp_path / "count.gguf"
+    fx.write_gguf(path, state_dict, config)
+    data = bytearray(path.read_bytes())
+    key = b"llama.block_count"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<I", data, at)[0] == gguf.GGUFValueType.UINT32
+    struct.pack_into("<I", data, at + 4, block_count)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"llama.block_count is \d+"):
+        checkpoints.load_checkpoint(path, use_cache=False)

@@ -146,3 +146,17 @@ def test_a_config_value_that_makes_no_sense_is_refused_by_name(hf_dirs, tmp_path
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(jaxspec.JaxspecError, match=rf"config\.json: .*{message}"):
         checkpoints.load_checkpoint(directory)
+
+
+@pytest.mark.parametrize("count", [1, 3, 0, -1, 10**9, "2", 2.0, True])
+def test_num_hidden_layers_must_match_the_layers_in_the_weights(hf_dirs, tmp_path, count):
+    """A count other than the weights' layers (or not an integer) is refused before the parse sizes
+    anything by it: 1 on a 2-layer checkpoint would load one layer and ignore the rest."""
+    directory, _ = hf_dirs["llama-untied"]
+    damaged = fx.copy_dir(directory, tmp_path / "count")
+    config = fx.hf_config(damaged)
+    assert config["num_hidden_layers"] == 2
+    (damaged / "config.json").write_text(json.dumps(config | {"num_hidden_layers": count}))
+    with pytest.raises(CheckpointError, match="num_hidden_layers is") as err:
+        checkpoints.load_checkpoint(damaged)
+    assert "config.json" in str(err.value)

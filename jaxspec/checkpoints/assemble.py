@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
-from collections.abc import Callable, Container
+import re
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 import jax
@@ -98,3 +99,25 @@ def config_values_checked(source: Any):
     except (TypeError, ValueError, ArithmeticError, KeyError, IndexError, AttributeError) as err:
         raise CheckpointError(f"{source}: a config value has the wrong type or range ({type(err).__name__}: "
                               f"{err})") from None
+
+
+def check_layer_count(declared: Any, names: Iterable[str], layer_name: re.Pattern[str], *, field: str,
+                      source: Any) -> None:
+    """A config's layer count against the layers the file holds tensors for, before anything is
+    sized by it: a count of 0xFFFFFFFF would otherwise build a params tree of four billion layers,
+    and 7 on a 30-layer file would silently load a 7-layer model.
+
+    `layer_name` matches a layer tensor's name with the layer index as its group (GGUF:
+    `blk.{i}.`; HF: `{prefix}layers.{i}.`). The layers present must be exactly 0 .. declared - 1.
+    """
+    if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
+        raise CheckpointError(f"{source}: {field} is {declared!r}; expected a positive integer")
+    present = {int(match.group(1)) for match in map(layer_name.match, names) if match}
+    if len(present) == declared and present and min(present) == 0 and max(present) == declared - 1:
+        return  # exactly 0 .. declared - 1 (never built as a set: declared may be 2**32)
+    if not present:
+        raise CheckpointError(f"{source}: {field} is {declared} but the file holds no layer tensors")
+    held = (f"layers 0..{max(present)}" if len(present) == max(present) + 1
+            else f"layers {sorted(present)[:8]}{'...' if len(present) > 8 else ''}")
+    raise CheckpointError(f"{source}: {field} is {declared} but the file holds tensors for {held} "
+                          f"({len(present)} layers)")

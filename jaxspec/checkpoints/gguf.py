@@ -13,9 +13,11 @@ import contextlib
 import dataclasses
 import functools
 import importlib.metadata
+import math
 import mmap
 import os
 import pathlib
+import re
 import struct
 from typing import Any
 
@@ -23,12 +25,13 @@ import gguf
 import numpy as np
 
 from jaxspec import models
-from jaxspec.checkpoints.assemble import assemble_params, config_values_checked
+from jaxspec.checkpoints.assemble import assemble_params, check_layer_count, config_values_checked
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models.family import Family
 
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 _VT = gguf.GGUFValueType
 _SCALAR_FORMATS = {
     _VT.UINT8: "<B",
@@ -124,8 +127,18 @@ def dequantizable(qtype: gguf.GGMLQuantizationType) -> bool:
     return True
 
 
+_INTEGER_TYPES = frozenset(getattr(gguf.GGMLQuantizationType, name) for name in ("I8", "I16", "I32", "I64")
+                           if hasattr(gguf.GGMLQuantizationType, name))
+
+
 def check_dequantizable(info: GGUFTensorInfo) -> None:
-    """UnsupportedModelError naming the tensor when this gguf release cannot decode its type."""
+    """UnsupportedModelError naming the tensor when this gguf release cannot decode its type;
+    CheckpointError when the type is an integer one (a weight is float or quantized: an F32
+    tensor re-declared I32 would otherwise load its bit patterns as numbers)."""
+    if info.qtype in _INTEGER_TYPES:
+        raise CheckpointError(
+            f"tensor {info.name!r} is stored as ggml type {info.qtype.name}, an integer type; "
+            "model weights are float or block-quantized")
     if not dequantizable(info.qtype):
         raise UnsupportedModelError(
             f"tensor {info.name!r} is stored as ggml type {info.qtype.name}, which gguf "
@@ -239,12 +252,6 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
             ) from None
         except UnicodeDecodeError as err:
             raise CheckpointError(f"GGUF file {path} is corrupt: a string is not UTF-8 ({err})") from None
-    for info in tensors.values():
-        if info.offset + info.nbytes > file_size:
-            raise CheckpointError(
-                f"GGUF file {path} is truncated: tensor {info.name!r} ends at byte "
-                f"{info.offset + info.nbytes} but the file has {file_size} bytes"
-            )
     return GGUFFile(
         path=path, version=version, metadata=metadata, tensors=tensors, data_offset=data_offset,
         file_size=file_size,
@@ -271,28 +278,48 @@ def _parse_header(
     for _ in range(tensor_count):
         name = cursor.string()
         n_dims = cursor.unpack("<I")
-        if n_dims > 8:
-            raise CheckpointError(f"GGUF file {path} is corrupt: tensor {name!r} has {n_dims} dims")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise CheckpointError(
+                f"GGUF file {path} is corrupt: tensor {name!r} has {n_dims} dims (ggml tensors have 1 to {_MAX_DIMS})")
         ne = [cursor.unpack("<Q") for _ in range(n_dims)]
         raw_infos.append((name, tuple(reversed(ne)), cursor.unpack("<I"), cursor.unpack("<Q")))
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0:
-        raise CheckpointError(f"GGUF file {path} is corrupt: general.alignment is {alignment!r}")
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
+        raise CheckpointError(
+            f"GGUF file {path} is corrupt: general.alignment is {alignment!r} (expected a positive multiple of 8)")
     data_offset = -(-cursor.pos // alignment) * alignment
     tensors = {}
+    # llama.cpp's own reader holds every file to one layout, and so do we: tensor data in the order
+    # of the tensor infos, each starting where the previous one ends, padded to the alignment. A
+    # shifted offset, a tensor type or shape changed in place (Q4_1 -> Q4_0 shrinks its bytes), or
+    # two infos over the same bytes all break that chain and are refused here, before any read.
+    expected_offset = 0
     for name, shape, type_id, rel_offset in raw_infos:
+        if name in tensors:
+            raise CheckpointError(f"GGUF file {path} is corrupt: tensor {name!r} is declared twice")
         try:
             qtype = gguf.GGMLQuantizationType(type_id)
         except ValueError:
             raise UnsupportedModelError(f"tensor {name!r} in {path} has unknown ggml type {type_id}") from None
+        if min(shape) < 1:
+            raise CheckpointError(f"GGUF file {path} is corrupt: tensor {name!r} has shape {shape}")
         block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        row = shape[-1] if shape else 1
-        if row % block_size:
+        if shape[-1] % block_size:
             raise CheckpointError(
-                f"GGUF file {path} is corrupt: tensor {name!r} rows of {row} are not whole "
+                f"GGUF file {path} is corrupt: tensor {name!r} rows of {shape[-1]} are not whole "
                 f"{qtype.name} blocks of {block_size}"
             )
-        nbytes = int(np.prod(shape, dtype=np.int64)) // block_size * type_size
+        nbytes = math.prod(shape) // block_size * type_size  # Python ints: a garbage dim cannot wrap
+        if rel_offset != expected_offset:
+            raise CheckpointError(
+                f"GGUF file {path} is corrupt: tensor {name!r} ({qtype.name}, shape {shape}) starts at data "
+                f"offset {rel_offset}, but the tensors before it end at {expected_offset} (a shifted offset, or "
+                "a tensor's type or shape changed in place)")
+        if data_offset + rel_offset + nbytes > cursor.size:
+            raise CheckpointError(
+                f"GGUF file {path} is truncated: tensor {name!r} ends at byte {data_offset + rel_offset + nbytes} "
+                f"but the file has {cursor.size} bytes")
+        expected_offset = -(-(rel_offset + nbytes) // alignment) * alignment
         tensors[name] = GGUFTensorInfo(
             name=name, shape=shape, qtype=qtype, offset=data_offset + rel_offset, nbytes=nbytes
         )
@@ -304,9 +331,16 @@ def gguf_family(gf: GGUFFile) -> Family:
     return models.family_for_gguf(gf.architecture, str(gf.path))
 
 
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.")
+
+
 def config_from_gguf(gf: GGUFFile) -> Any:
-    """The family's config from GGUF metadata and tensor shapes."""
+    """The family's config from GGUF metadata and tensor shapes (the layer count checked against
+    the file's `blk.{i}` tensors first)."""
     family = gguf_family(gf)
+    block_count = f"{gf.architecture}.block_count"
+    if block_count in gf.metadata:  # a family that needs it and finds none names it itself
+        check_layer_count(gf.metadata[block_count], gf.tensors, _GGUF_LAYER, field=block_count, source=gf.path)
     shapes = {name: info.shape for name, info in gf.tensors.items()}
     with config_values_checked(gf.path):
         return family.config_from_gguf(gf.metadata, shapes, str(gf.path))

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import pathlib
+import re
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -20,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec import models
-from jaxspec.checkpoints.assemble import assemble_params, config_values_checked
+from jaxspec.checkpoints.assemble import assemble_params, check_layer_count, config_values_checked
 from jaxspec.checkpoints.resolve import HF_CONFIG
 from jaxspec.errors import CheckpointError
 from jaxspec.models.family import Family
@@ -138,6 +139,13 @@ def hf_family(directory: pathlib.Path) -> tuple[Family, Any]:
     if not isinstance(hf, dict):
         raise CheckpointError(f"{directory / HF_CONFIG} is not a JSON object")
     family = models.family_for_hf(hf)
+    # The layer count against the weight files' layers, before the parse sizes anything by it.
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    if "num_hidden_layers" in text:
+        names = hf_weight_files(directory)
+        layer_name = re.compile(rf"{re.escape(hf_prefix(family, names, directory))}layers\.(\d+)\.")
+        check_layer_count(text["num_hidden_layers"], names, layer_name, field="num_hidden_layers",
+                          source=directory / HF_CONFIG)
     with config_values_checked(directory / HF_CONFIG):
         return family, family.config_from_hf(hf)
 
