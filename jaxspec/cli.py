@@ -33,9 +33,18 @@ DRAFT_FOR = {Method.DRAFT: "--draft MODEL (a draft model sharing the vocabulary)
              Method.EAGLE3: "--draft HEAD_DIR (an EAGLE-3 head directory, or eagle3-smollm2-135m)"}
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit status 2, like every other bad
+    input the CLI meets (argparse's own error prints the whole usage first). Subcommand parsers
+    are built from the same class (argparse's add_subparsers default)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command (its generate defaults are GenerateOptions's)."""
-    parser = argparse.ArgumentParser(prog="python -m jaxspec.cli", description=__doc__.splitlines()[0])
+    parser = _OneLineParser(prog="python -m jaxspec.cli", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="stream a completion, then one stats line")

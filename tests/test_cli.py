@@ -223,6 +223,22 @@ def test_truncated_gguf(tiny, tmp_path, monkeypatch, capsys, command):
     assert not list(cache.glob("params/*")), "a truncated file must leave no cache entry"
 
 
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["generate", "hi", "--bogus", "x"], "unrecognized arguments: --bogus"),
+    (["generate", "hi", "-k", "abc"], "invalid int value: 'abc'"),
+    (["generate", "hi", "--method", "nope"], "invalid choice: 'nope'"),
+    (["generate"], "required: prompt"),
+    ([], "required: command"),
+    (["launch"], "invalid choice: 'launch'"),
+])
+def test_usage_errors_are_one_line_and_exit_2(capsys, argv, needle):
+    """argparse's own errors read like every other bad input: one stderr line, exit status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    assert_one_line_error(exit_info.value.code, out, err, needle, "--help")
+
+
 def test_module_entry_point_exits_2_on_bad_input(tmp_path):
     """The one subprocess: `python -m jaxspec.cli` runs main() and passes its exit status on."""
     missing = tmp_path / "missing.gguf"

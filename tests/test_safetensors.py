@@ -160,3 +160,14 @@ def test_num_hidden_layers_must_match_the_layers_in_the_weights(hf_dirs, tmp_pat
     with pytest.raises(CheckpointError, match="num_hidden_layers is") as err:
         checkpoints.load_checkpoint(damaged)
     assert "config.json" in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign"])
+def test_a_damaged_shard_is_a_checkpoint_error_naming_it(hf_dirs, tmp_path, damage):
+    directory = fx.copy_dir(hf_dirs["llama-sharded"][0], tmp_path / "hf")
+    shard = sorted(directory.glob("model-*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x00" * len(data))
+    with pytest.raises(CheckpointError, match="not a readable safetensors file") as err:
+        checkpoints.load_checkpoint(directory)
+    assert shard.name in str(err.value)

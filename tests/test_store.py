@@ -98,6 +98,17 @@ def test_a_stray_file_at_an_entry_path_is_replaced(tiny_gguf, count_dequantize, 
     assert count_dequantize[0] == 0
 
 
+def test_a_gguf_whose_tokenizer_fails_leaves_no_cache_entry(hf_dirs, tmp_path, monkeypatch, fresh_cache):
+    """An entry is written only for a file that loads whole: params dequantized, tokenizer built."""
+    directory, state_dict = hf_dirs["llama-untied"]
+    monkeypatch.setattr(fx, "MERGES", ["t o x", "to k"])  # "t o x" is not a merge of two tokens
+    path = tmp_path / "bad-merges.gguf"
+    fx.write_gguf(path, state_dict, fx.hf_config(directory))
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.merges"):
+        checkpoints.load_checkpoint(path)
+    assert not store.gguf_cache_entry(path).exists()
+
+
 def test_interrupted_cache_write_leaves_no_entry(tiny_gguf, monkeypatch, count_dequantize, fresh_cache):
     path, expected = tiny_gguf
     entry = store.gguf_cache_entry(path)

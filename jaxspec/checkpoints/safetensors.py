@@ -104,7 +104,10 @@ class SafetensorsReader:
         if path not in self._handles:
             from safetensors import safe_open
 
-            self._handles[path] = self._stack.enter_context(safe_open(path, framework="numpy"))
+            try:
+                self._handles[path] = self._stack.enter_context(safe_open(path, framework="numpy"))
+            except Exception as err:  # safetensors raises its own SafetensorError (a shard cut short, or foreign)
+                raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
         return self._handles[path]
 
     def dtype(self, name: str) -> str:

@@ -225,6 +225,11 @@ def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = Fa
             host_params = gguf_reader.params_from_gguf(gf, cfg, progress=progress)
         host_params = quant.convert(host_params, weight_format)
         if entry is not None:
+            # An entry is written only for a file that loads whole: a tokenizer that fails after
+            # the params were dequantized would otherwise leave an entry no load can use.
+            from jaxspec.tokenizer import Tokenizer
+
+            Tokenizer.from_checkpoint_source(gguf_reader.gguf_tokenizer_metadata(gf))
             try:
                 _sweep_stale_tmp(entry.parent)
                 write_atomically(entry, functools.partial(save_params, host_params))
