@@ -75,8 +75,8 @@ def info(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
         file_size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     elif path.is_dir():
         source_format = "hf"
-        family, cfg = safetensors.hf_family(path)
         files = safetensors.hf_weight_files(path)
+        family, cfg = safetensors.hf_family(path, files)
         param_count = 0
         with contextlib.ExitStack() as stack:
             reader = safetensors.SafetensorsReader(files, stack)

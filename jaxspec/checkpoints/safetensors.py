@@ -45,6 +45,17 @@ def read_json(path: pathlib.Path) -> Any:
         raise CheckpointError(f"{path} is not valid JSON: {err}") from None
 
 
+def open_safetensors(path: pathlib.Path):
+    """safe_open over numpy; a file cut short or not safetensors at all (safetensors raises its
+    own SafetensorError) is a CheckpointError naming it."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="numpy")
+    except Exception as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
+
+
 def hf_weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     """tensor name -> safetensors file, from the shard index or the single model.safetensors."""
     index = directory / "model.safetensors.index.json"
@@ -69,13 +80,8 @@ def hf_weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
                 raise CheckpointError(f"shard {shard.name} listed in {index} is missing")
         return files
     if single.is_file():
-        from safetensors import safe_open
-
-        try:
-            with safe_open(single, framework="numpy") as handle:
-                return {name: single for name in handle.keys()}
-        except Exception as err:  # safetensors raises its own SafetensorError
-            raise CheckpointError(f"{single} is not a readable safetensors file: {err}") from None
+        with open_safetensors(single) as handle:
+            return {name: single for name in handle.keys()}
     if any(directory.glob("pytorch_model*.bin")):
         raise CheckpointError(
             f"{directory} holds only pytorch_model*.bin; jaxspec never unpickles weights, safetensors is "
@@ -102,12 +108,7 @@ class SafetensorsReader:
 
     def _handle(self, path: pathlib.Path) -> Any:
         if path not in self._handles:
-            from safetensors import safe_open
-
-            try:
-                self._handles[path] = self._stack.enter_context(safe_open(path, framework="numpy"))
-            except Exception as err:  # safetensors raises its own SafetensorError (a shard cut short, or foreign)
-                raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
+            self._handles[path] = self._stack.enter_context(open_safetensors(path))
         return self._handles[path]
 
     def dtype(self, name: str) -> str:
@@ -136,8 +137,9 @@ class SafetensorsReader:
         return np.asarray(self._handle(self.files[name]).get_tensor(name)).astype(np.int64)
 
 
-def hf_family(directory: pathlib.Path) -> tuple[Family, Any]:
-    """(family, config) of an HF directory, from its config.json's `model_type`."""
+def hf_family(directory: pathlib.Path, files: Mapping[str, pathlib.Path]) -> tuple[Family, Any]:
+    """(family, config) of an HF directory, from its config.json's `model_type`; `files` is its
+    `hf_weight_files`, whose layers the config's count must match."""
     hf = read_json(directory / HF_CONFIG)
     if not isinstance(hf, dict):
         raise CheckpointError(f"{directory / HF_CONFIG} is not a JSON object")
@@ -145,9 +147,8 @@ def hf_family(directory: pathlib.Path) -> tuple[Family, Any]:
     # The layer count against the weight files' layers, before the parse sizes anything by it.
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     if "num_hidden_layers" in text:
-        names = hf_weight_files(directory)
-        layer_name = re.compile(rf"{re.escape(hf_prefix(family, names, directory))}layers\.(\d+)\.")
-        check_layer_count(text["num_hidden_layers"], names, layer_name, field="num_hidden_layers",
+        layer_name = re.compile(rf"{re.escape(hf_prefix(family, files, directory))}layers\.(\d+)\.")
+        check_layer_count(text["num_hidden_layers"], files, layer_name, field="num_hidden_layers",
                           source=directory / HF_CONFIG)
     with config_values_checked(directory / HF_CONFIG):
         return family, family.config_from_hf(hf)
@@ -165,8 +166,8 @@ def hf_prefix(family: Family, names: Mapping[str, Any], directory: pathlib.Path)
 
 def load_hf_dir(directory: pathlib.Path, *, progress: bool = False) -> tuple[Any, Any]:
     """An HF directory of any registered family -> (config, float32 numpy params)."""
-    family, cfg = hf_family(directory)
     files = hf_weight_files(directory)
+    family, cfg = hf_family(directory, files)
     tensors = family.hf_tensors(cfg, hf_prefix(family, files, directory))
     with contextlib.ExitStack() as stack:
         reader = SafetensorsReader(files, stack)
