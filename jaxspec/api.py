@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -19,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import checkpoints, compilation
+from jaxspec.cache import KVFormat
 from jaxspec.config import ModelConfig
-from jaxspec.errors import InvalidRequestError, is_integer
+from jaxspec.errors import InvalidRequestError, check_text, is_integer
 from jaxspec.model import Model, layer_skip, lm_head_of, with_weight_format
 from jaxspec.models import quant
 from jaxspec.models.layers import fuse_projections
@@ -59,7 +61,7 @@ def load(name_or_path: str = DEFAULT_MODEL, *, weight_format: WeightFormat | str
     if head is not None:
         return head
     ckpt = checkpoints.load_checkpoint(path, use_cache=use_cache, progress=progress, weight_format=weight_format)
-    tokenizer = Tokenizer.from_checkpoint_source(ckpt.tokenizer_source)  # None: token-id prompts only
+    tokenizer = Tokenizer.from_checkpoint_source(ckpt.tokenizer_source, origin=ckpt.source)  # None: ids only
     return Model(config=ckpt.config, params=fuse_projections(ckpt.params), tokenizer=tokenizer,
                  source=str(ckpt.source), weight_format=weight_format)
 
@@ -171,12 +173,7 @@ def prompt_ids(prompt, model: Model, chat: bool) -> list[list[int]]:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids, not text")
             if not item:
                 raise InvalidRequestError(f"prompt {index} is an empty string")
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as err:  # a lone surrogate: no tokenizer can read it
-                raise InvalidRequestError(
-                    f"prompt {index} holds {item[err.start]!r} at index {err.start}, a lone surrogate that is "
-                    "not text (decode the source with errors='replace')") from None
+            check_text(item, f"prompt {index}")
             ids = model.tokenizer.encode_chat(item) if chat else model.tokenizer.encode(item)
         elif (isinstance(item, (Sequence, np.ndarray)) and not isinstance(item, bytes | bytearray)
               and all(is_integer(t) for t in item)):
@@ -243,6 +240,30 @@ def _stop_ids_and_sequences(model: Model,
     return tuple(sorted(stop_ids)), tuple(sequences)
 
 
+def memory_bytes() -> int:
+    """The memory a KV cache can live in: the default device's (a GPU's bytes_limit), else the
+    host's physical memory."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_cache_fits(cfg, kv_format: KVFormat | None, batch: int, capacity: int) -> None:
+    """Refuse a request whose target KV cache alone exceeds the memory it would be allocated in:
+    a long context and a large max_new_tokens would otherwise fail (or take the machine down)
+    deep inside the compiled program."""
+    kv_format = kv_format or KVFormat()
+    attention_layers = len(getattr(cfg, "attention_layers", range(cfg.num_layers)))
+    needed = batch * capacity * kv_format.bytes_per_token(cfg) // cfg.num_layers * attention_layers
+    available = memory_bytes()
+    if needed > available:
+        raise InvalidRequestError(
+            f"the KV cache for {batch} row(s) x {capacity} slots needs {needed / 2**30:.1f} GiB, more than the "
+            f"{available / 2**30:.1f} GiB this device has; lower max_new_tokens or the batch, or pick a smaller "
+            f"kv_format (q8_0, q5_1)")
+
+
 def prepare(model: Model, prompt, draft_params: Model | None = None, options: GenerateOptions | None = None,
             **overrides) -> Prepared:
     """Check a request against `model` and build what the jitted program takes; raises
@@ -292,6 +313,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     # the new tokens plus a round's width, not a power of two of the sum (1024 + 132 would become 2048).
     capacity = min(prompt_bucket + _bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET) + round_width - 1,
                    cfg.max_position_embeddings)
+    _check_cache_fits(cfg, options.kv_format, batch, capacity)
     padded = np.zeros((batch, prompt_bucket), np.int32)
     for i, r in enumerate(rows):
         padded[i, : len(r)] = r

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from jaxspec.errors import UnsupportedModelError
+from jaxspec.errors import UnsupportedModelError, is_integer
 
 
 class Architecture(enum.Enum):
@@ -96,7 +97,7 @@ class RopeScaling:
                 f"rope scaling type {self.rope_type!r} is not supported; jaxspec reads "
                 f"{[t.value for t in RopeType]}") from None
         if self.short_factor is not None:
-            object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
+            object.__setattr__(self, "short_factor", tuple(real(f) for f in self.short_factor))
         needed = {
             RopeType.LLAMA3: ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
             RopeType.YARN: ("original_max_position_embeddings",),
@@ -171,18 +172,52 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
 
+def count(value: Any) -> int:
+    """A config's integer, strictly: an int, or a float holding a whole number (exporters write
+    32.0). A bool, a string ("32") or 2.5 raises TypeError, which `config_values_checked` turns
+    into a CheckpointError naming the file: int() would take "32" and silently truncate 2.5."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"expected an integer, got {value!r:.40}")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if not float(value).is_integer():
+        raise TypeError(f"expected an integer, got {value!r}")
+    return int(value)
+
+
+def real(value: Any) -> float:
+    """A config's number, strictly: an int or a float, never a bool or a numeric string."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"expected a number, got {value!r:.40}")
+    return float(value)
+
+
+def check_token_ids(cfg: Any) -> None:
+    """bos/eos ids are ids of this vocabulary: an id outside [0, vocab_size) could never be sampled
+    (an EOS that never stops) or embedded (a BOS that indexes past the table)."""
+    bos = getattr(cfg, "bos_token_id", None)  # a draft head's config has neither
+    ids = [("bos_token_id", bos)] if bos is not None else []
+    ids += [("eos_token_id", token) for token in getattr(cfg, "eos_token_ids", ())]
+    for name, token in ids:
+        if not is_integer(token) or not 0 <= token < cfg.vocab_size:
+            raise UnsupportedModelError(f"{name}={token!r} is not a token id of the {cfg.vocab_size}-token vocabulary")
+
+
 def check_sizes_and_numerics(cfg: Any, sizes: tuple[str, ...]) -> None:
     """UnsupportedModelError unless every field in `sizes` is >= 1 and rope_theta and norm_eps are
     finite and > 0: a zero dimension, a NaN theta or a non-positive epsilon would otherwise load
     and compute garbage (a NaN theta makes every RoPE angle NaN, and generate returns zeros)."""
     for name in sizes:
         value = getattr(cfg, name)
+        if not is_integer(value):
+            raise UnsupportedModelError(f"{name}={value!r} must be an integer")
         if value < 1:
             raise UnsupportedModelError(f"{name}={value} must be >= 1")
     for name in ("rope_theta", "norm_eps"):
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value > 0):
             raise UnsupportedModelError(f"{name}={value} must be a finite number > 0")
+    check_token_ids(cfg)
 
 
 def flag(value: Any, name: str) -> bool:
@@ -204,13 +239,13 @@ def resolve_rotary_dim(hf: Mapping[str, Any], head_dim: int) -> int:
     """
     explicit = hf.get("rotary_dim")
     if explicit is not None:
-        return int(explicit)
+        return count(explicit)
     factor = hf.get("partial_rotary_factor")
     if factor is None and isinstance(hf.get("rope_parameters"), Mapping):
         factor = hf["rope_parameters"].get("partial_rotary_factor")
     if factor is None:
         return head_dim
-    factor = float(factor)
+    factor = real(factor)
     if not 0.0 < factor <= 1.0:
         return head_dim
     return int(head_dim * factor)
@@ -231,7 +266,7 @@ def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         theta = params.get("rope_theta", theta)
         if scaling is None and params.get("rope_type", "default") != "default":
             scaling = params
-    theta = float(theta if theta is not None else 10000.0)
+    theta = real(theta if theta is not None else 10000.0)
     if not scaling:
         return theta, None
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -249,7 +284,7 @@ def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
 
     context = hf.get("max_position_embeddings")
     original = hf.get("original_max_position_embeddings", scaling.get("original_max_position_embeddings", context))
-    original = None if original is None else int(original)
+    original = None if original is None else count(original)
     factor = number("factor")
     if factor is None and rope_type in ("yarn", "longrope") and context is not None and original:
         factor = int(context) / original
@@ -257,7 +292,7 @@ def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         raise UnsupportedModelError(f"rope scaling {rope_type!r} lacks its 'factor'")
     short_factor = scaling.get("short_factor")
     if short_factor is not None and "hidden_size" in hf and "num_attention_heads" in hf:
-        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+        head_dim = count(hf.get("head_dim") or count(hf["hidden_size"]) // count(hf["num_attention_heads"]))
         if len(short_factor) != resolve_rotary_dim(hf, head_dim) // 2:
             raise UnsupportedModelError(
                 f"rope scaling 'longrope' short_factor has {len(short_factor)} entries; the rotated width "
@@ -274,16 +309,18 @@ def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         mscale=number("mscale"),
         mscale_all_dim=number("mscale_all_dim"),
         attention_factor=number("attention_factor"),
-        short_factor=None if short_factor is None else tuple(float(f) for f in short_factor),
+        short_factor=None if short_factor is None else tuple(real(f) for f in short_factor),
     )
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    if isinstance(value, numbers.Real):
+        return (count(value),)
+    if not isinstance(value, list):
+        raise TypeError(f"eos_token_id must be a token id or a list of them; got {value!r:.40}")
+    return tuple(count(v) for v in value)
 
 
 def _per_layer_type_view(hf: Mapping[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
@@ -320,35 +357,35 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
     try:
-        dim = int(hf["hidden_size"])
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or dim // num_heads)
+        dim = count(hf["hidden_size"])
+        num_heads = count(hf["num_attention_heads"])
+        head_dim = count(hf.get("head_dim") or dim // num_heads)
         theta, scaling = _rope_settings(hf)
-        context = int(hf.get("max_position_embeddings", 2048))
+        context = count(hf.get("max_position_embeddings", 2048))
         if scaling is not None and scaling.context_limit:
             context = min(context, scaling.context_limit)  # longrope: exact only up to here
         if hf.get("use_sliding_window", model_type == "mistral") and hf.get("sliding_window"):
             # Attention is full up to the window; past it the model would need a ring cache.
-            context = min(context, int(hf["sliding_window"]))
+            context = min(context, count(hf["sliding_window"]))
         return ModelConfig(
             architecture=architecture,
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=count(hf["vocab_size"]),
             dim=dim,
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=count(hf["num_hidden_layers"]),
             num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            num_kv_heads=count(hf.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
-            ffn_dim=int(hf["intermediate_size"]),
+            ffn_dim=count(hf["intermediate_size"]),
             rope_theta=theta,
             rotary_dim=resolve_rotary_dim(hf, head_dim),
             rope_scaling=scaling,
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            norm_eps=real(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=context,
             tie_embeddings=flag(hf.get("tie_word_embeddings", False), "tie_word_embeddings"),
             attention_bias=flag(hf.get("attention_bias", architecture is Architecture.QWEN2), "attention_bias"),
             qk_norm=architecture is Architecture.QWEN3,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+            bos_token_id=None if hf.get("bos_token_id") is None else count(hf["bos_token_id"]),
+            eos_token_ids=eos_ids(hf.get("eos_token_id")),
         )
     except KeyError as missing:
         raise UnsupportedModelError(f"config.json lacks required field {missing}") from None

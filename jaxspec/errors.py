@@ -27,3 +27,14 @@ def is_integer(value) -> bool:
     """An int or numpy integer, and not a bool (True is an int to Python, never a count or an id)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
+
+
+def check_text(text: str, what: str) -> None:
+    """InvalidRequestError when `text` holds a lone surrogate (argv's undecodable bytes arrive as
+    one): it is not text, and no tokenizer can read it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequestError(
+            f"{what} holds {text[err.start]!r} at index {err.start}, a lone surrogate that is not text "
+            "(decode the source with errors='replace')") from None

@@ -16,13 +16,20 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxspec.cache import KVFormat
-from jaxspec.errors import InvalidRequestError, is_integer
+from jaxspec.errors import InvalidRequestError, check_text, is_integer
 from jaxspec.pallas.flash_decode import Attention, resolve_attention
 from jaxspec.sampling import SamplerSpec, spec_for
 from jaxspec.spec.methods import DRAFT_SAMPLING, MAX_DRAFT_TOKENS, DraftOptions, Method
 from jaxspec.spec.tree import DraftTree
 
 MAX_NGRAM = 16
+
+
+def _is_sequence(value) -> bool:
+    """A list, tuple or 1-D array of items; not a str or bytes (each a sequence of its own parts)."""
+    if isinstance(value, np.ndarray):
+        return value.ndim == 1
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,13 +96,22 @@ class GenerateOptions:
             normalise(name, int(getattr(self, name)))  # numpy integers become the ints they are
         if self.exit_layer is not None:
             normalise("exit_layer", int(self.exit_layer))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if not all(isinstance(text, str) and text for text in stop):
-            raise InvalidRequestError(f"stop strings must be non-empty strings; got {stop!r}")
-        normalise("stop", stop)
-        stop_ids = tuple(self.stop_token_ids or ())
-        if not all(is_integer(t) and t >= 0 for t in stop_ids):
-            raise InvalidRequestError(f"stop_token_ids must be integers >= 0; got {stop_ids!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = ()
+        if not (_is_sequence(stop) and all(isinstance(text, str) and text for text in stop)):
+            raise InvalidRequestError(f"stop must be a non-empty string or a sequence of them; got {stop!r:.80}")
+        for index, text in enumerate(stop):
+            check_text(text, f"stop string {index}")
+        normalise("stop", tuple(stop))
+        stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not (_is_sequence(stop_ids) and all(is_integer(t) and 0 <= t < 2**31 for t in stop_ids)):
+            raise InvalidRequestError(f"stop_token_ids must be a sequence of token ids (integers >= 0); "
+                                      f"got {stop_ids!r:.80}")
+        for name in ("chat", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool | np.bool_):
+                raise InvalidRequestError(f"{name} must be True or False; got {getattr(self, name)!r:.40}")
+            normalise(name, bool(getattr(self, name)))
         normalise("stop_token_ids", tuple(int(t) for t in stop_ids))
         if self.kv_format is not None:
             normalise("kv_format", KVFormat.parse(self.kv_format))

@@ -30,7 +30,7 @@ import jinja2.sandbox
 import tokenizers
 
 from jaxspec import gguf_tokenizer, spm
-from jaxspec.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
+from jaxspec.errors import CheckpointError, InvalidRequestError, JaxspecError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +61,54 @@ def _token_content(value: Any) -> str | None:
 
 
 def _read_json(path: str) -> dict[str, Any]:
+    """A tokenizer side file (tokenizer_config.json, generation_config.json): a JSON object in
+    UTF-8, else a CheckpointError naming the file."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from e
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    try:  # JSON's \ud800 escapes parse to lone surrogates, which no tokenizer can look up
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise CheckpointError(f"{path} holds {e.object[e.start:e.end]!r}, a lone surrogate that is not text") from None
+    return value
+
+
+def _field(path: str, config: Mapping[str, Any], name: str, ok, expected: str) -> Any:
+    """config[name] if absent (None) or of the expected kind; else a CheckpointError naming the
+    file, the field and what it must be."""
+    value = config.get(name)
+    if value is not None and not ok(value):
+        raise CheckpointError(f"{path}: {name} is {value!r:.60}; expected {expected}")
+    return value
+
+
+def _is_token(value: Any) -> bool:  # "<s>", or an AddedToken dict {"content": "<s>", ...}
+    return isinstance(value, str) or (isinstance(value, Mapping) and isinstance(value.get("content"), str))
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_chat_template(value: Any) -> bool:  # a template, or [{"name": ..., "template": ...}]
+    return isinstance(value, str) or (isinstance(value, list) and all(
+        isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+        for t in value))
+
+
+def _rust_call(what: str, call):
+    """A call into the tokenizers library: its errors (a bare Exception, or a pyo3 PanicException,
+    which derives from BaseException) become a CheckpointError naming `what`."""
+    try:
+        return call()
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 (PanicException is not an Exception)
+        raise CheckpointError(f"{what}: {type(e).__name__}: {e}") from None
 
 
 class Tokenizer:
@@ -119,14 +162,21 @@ class Tokenizer:
     # --- construction ----------------------------------------------------------------------------
 
     @classmethod
-    def from_checkpoint_source(cls, source: str | os.PathLike[str] | Mapping[str, Any]) -> Tokenizer | None:
+    def from_checkpoint_source(cls, source: str | os.PathLike[str] | Mapping[str, Any],
+                               origin: str | os.PathLike[str] | None = None) -> Tokenizer | None:
         """The tokenizer a checkpoint carries: a directory's files (`from_dir`) or a GGUF's
-        `tokenizer.*` metadata (`from_gguf_metadata`); None when it carries none at all."""
-        if isinstance(source, Mapping):
-            return cls.from_gguf_metadata(source) if "tokenizer.ggml.model" in source else None
-        if not any(os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES):
-            return None
-        return cls.from_dir(source)
+        `tokenizer.*` metadata (`from_gguf_metadata`); None when it carries none at all. An error
+        names `origin` (the checkpoint's file or directory) when its message does not already."""
+        try:
+            if isinstance(source, Mapping):
+                return cls.from_gguf_metadata(source) if "tokenizer.ggml.model" in source else None
+            if not any(os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES):
+                return None
+            return cls.from_dir(source)
+        except JaxspecError as e:
+            if origin is None or os.fspath(origin) in str(e):
+                raise
+            raise type(e)(f"{os.fspath(origin)}: {e}") from None
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -145,18 +195,21 @@ class Tokenizer:
             # llama.cpp does the same, and warns that quality degrades.
             logger.warning("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer")
             pre = "default"
-        spec = gguf_tokenizer.PRE_TOKENIZERS.get(pre)
+        spec = gguf_tokenizer.PRE_TOKENIZERS.get(pre) if isinstance(pre, str) else None
         if spec is None:
             raise UnsupportedModelError(
                 f"tokenizer.ggml.pre={pre!r} is not a supported pre-tokenizer; supported: "
                 f"{', '.join(sorted(gguf_tokenizer.PRE_TOKENIZERS))}"
             )
-        try:
-            tokens = list(metadata["tokenizer.ggml.tokens"])
-            merges = list(metadata["tokenizer.ggml.merges"])
-        except KeyError as e:
-            raise CheckpointError(f"GGUF metadata lacks {e.args[0]}, needed for a BPE tokenizer") from e
-        token_types = list(metadata.get("tokenizer.ggml.token_type", [gguf_tokenizer.TokenType.NORMAL] * len(tokens)))
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            if key not in metadata:
+                raise CheckpointError(f"GGUF metadata lacks {key}, needed for a BPE tokenizer")
+        for key in ("tokens", "merges", "token_type"):
+            value = metadata.get(f"tokenizer.ggml.{key}", [])
+            if not isinstance(value, list):  # a string would be taken as a list of its characters
+                raise CheckpointError(f"GGUF metadata tokenizer.ggml.{key} is a {type(value).__name__}, not an array")
+        tokens, merges = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.merges"]
+        token_types = metadata.get("tokenizer.ggml.token_type", [gguf_tokenizer.TokenType.NORMAL] * len(tokens))
         if len(token_types) != len(tokens):
             raise CheckpointError(
                 f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
@@ -176,10 +229,18 @@ class Tokenizer:
                 raise CheckpointError(f"tokenizer.ggml.{key}={value!r} is not a token id")
             return value
 
-        try:
-            hf = gguf_tokenizer.byte_level_bpe(tokens, merges, token_types, spec)
-        except Exception as e:  # the Rust side raises bare Exceptions (e.g. a merge of unknown tokens)
-            raise CheckpointError(f"GGUF tokenizer metadata does not make a BPE tokenizer: {e}") from None
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_types):
+            raise CheckpointError("tokenizer.ggml.token_type holds a value that is not an integer")
+        for key, kind in (("tokenizer.ggml.add_bos_token", bool), ("tokenizer.ggml.add_eos_token", bool),
+                          ("tokenizer.chat_template", str)):
+            value = metadata.get(key)
+            if value is not None and not isinstance(value, kind):
+                raise CheckpointError(f"GGUF metadata {key} is {value!r:.60}, not a {kind.__name__}")
+        hf = _rust_call("GGUF tokenizer metadata does not make a BPE tokenizer",
+                        lambda: gguf_tokenizer.byte_level_bpe(tokens, merges, token_types, spec))
+        _rust_call("the GGUF's BPE tokenizer cannot encode text", lambda: hf.encode("Hello, world! 123"))
+        if metadata.get("tokenizer.chat_template") is not None:
+            _compile_chat_template(metadata["tokenizer.chat_template"])
         return cls(
             hf,
             vocab_size=len(tokens),
@@ -190,8 +251,8 @@ class Tokenizer:
             ],
             pad_token_id=token_id("padding_token_id"),
             unk_token_id=token_id("unknown_token_id"),
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", spec.add_bos)),
-            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            add_bos=metadata.get("tokenizer.ggml.add_bos_token", spec.add_bos),
+            add_eos=metadata.get("tokenizer.ggml.add_eos_token", False),
             chat_template=metadata.get("tokenizer.chat_template"),
         )
 
@@ -210,10 +271,11 @@ class Tokenizer:
         sentencepiece_model = os.path.join(path, "tokenizer.model")
         model_ids = spm.SpecialIds(bos=None, eos=None, pad=None, unk=None)
         if os.path.isfile(tokenizer_json):
-            try:
-                hf = tokenizers.Tokenizer.from_file(tokenizer_json)
-            except Exception as e:  # the Rust side raises a bare Exception
-                raise CheckpointError(f"cannot load {tokenizer_json}: {e}") from e
+            hf = _rust_call(f"cannot load {tokenizer_json}", lambda: tokenizers.Tokenizer.from_file(tokenizer_json))
+            # A file that parses can still fail on first use (a merge of tokens the vocabulary
+            # lacks panics in the BPE model): try it now, so the failure names the file at load.
+            _rust_call(f"{tokenizer_json} cannot encode text",
+                       lambda: hf.encode("Hello, world! 123", add_special_tokens=True))
         elif os.path.isfile(sentencepiece_model):
             hf, model_ids = spm.tokenizer_from_model_file(sentencepiece_model)
         else:
@@ -223,13 +285,24 @@ class Tokenizer:
         config = _read_json(config_path) if os.path.isfile(config_path) else {}
         generation_path = os.path.join(path, "generation_config.json")
         generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            _field(config_path, config, name, _is_token, 'a token string or {"content": "..."}')
+        for name in ("add_bos_token", "add_eos_token"):
+            _field(config_path, config, name, lambda v: isinstance(v, bool), "true or false")
+        _field(config_path, config, "chat_template", _is_chat_template,
+               'a template string or a list of {"name", "template"}')
+        for name in ("bos_token_id", "pad_token_id"):
+            _field(generation_path, generation, name, _is_token_id, "a token id (an integer >= 0)")
+        _field(generation_path, generation, "eos_token_id",
+               lambda v: _is_token_id(v) or (isinstance(v, list) and all(map(_is_token_id, v))),
+               "a token id or a list of token ids")
 
         def special_id(name: str) -> int | None:  # the config's token, else the model file's id
             content = _token_content(config.get(f"{name}_token"))
             return getattr(model_ids, name) if content is None else hf.token_to_id(content)
 
         bos_id, eos_id = special_id("bos"), special_id("eos")
-        if bos_id is None and isinstance(generation.get("bos_token_id"), int):
+        if bos_id is None and generation.get("bos_token_id") is not None:
             bos_id = generation["bos_token_id"]
         generation_eos = generation.get("eos_token_id", [])
         generation_eos = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
@@ -238,14 +311,21 @@ class Tokenizer:
 
         chat_template = config.get("chat_template")
         if isinstance(chat_template, list):  # [{"name": ..., "template": ...}], as HF saves several
-            by_name = {
-                t.get("name"): t.get("template") for t in chat_template if isinstance(t, Mapping)
-            }
-            chat_template = by_name.get("default")
+            chat_template = {t["name"]: t["template"] for t in chat_template}.get("default")
+        template_file = config_path
         jinja_path = os.path.join(path, "chat_template.jinja")
         if chat_template is None and os.path.isfile(jinja_path):
-            with open(jinja_path, encoding="utf-8") as f:
-                chat_template = f.read()
+            template_file = jinja_path
+            try:
+                with open(jinja_path, encoding="utf-8") as f:
+                    chat_template = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"cannot read {jinja_path}: {e}") from None
+        if chat_template is not None:  # a template that does not compile is refused at load
+            try:
+                _compile_chat_template(chat_template)
+            except CheckpointError as e:
+                raise CheckpointError(f"{template_file}: {e}") from None
 
         return cls(
             hf,
@@ -256,7 +336,7 @@ class Tokenizer:
             unk_token_id=special_id("unk"),
             add_bos=_adds_token(hf, config.get("add_bos_token"), bos_id, first=True),
             add_eos=_adds_token(hf, config.get("add_eos_token"), eos_id, first=False),
-            chat_template=chat_template if isinstance(chat_template, str) else None,
+            chat_template=chat_template,
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -341,7 +421,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        ids = _rust_call("the tokenizer failed on this text", lambda: self._hf.encode(text, add_special_tokens=False)).ids
         if add_special_tokens:
             if self._add_bos:
                 ids = [self._bos_token_id, *ids]
@@ -392,6 +472,8 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template rejected the conversation: {e}") from e
+        except Exception as e:  # a template's own bug (1/0, a filter on the wrong type) is not the caller's
+            raise CheckpointError(f"chat template failed while rendering: {type(e).__name__}: {e}") from None
 
     def encode_chat(
         self,

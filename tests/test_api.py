@@ -110,6 +110,20 @@ def test_bad_requests_fail_before_compile_with_a_clear_message(tiny_model, kwarg
     assert watch.seconds == 0.0
 
 
+def test_a_kv_cache_larger_than_the_machine_is_refused_before_compile(tiny_model):
+    """A model of a huge context and a request for 2**31 new tokens: 2**31 slots x 512 bytes a
+    token is a TiB of KV cache, refused by prepare with the figures, not an allocation failure."""
+    huge_context = dataclasses.replace(tiny_model, config=dataclasses.replace(tiny_model.config,
+                                                                              max_position_embeddings=2**40))
+    with compilation.CompileWatch("a request too large for memory") as watch:
+        with pytest.raises(jaxspec.InvalidRequestError, match=r"the KV cache for 1 row\(s\) x \d+ slots needs"):
+            jaxspec.generate(huge_context, None, [1, 2], max_new_tokens=2**31)
+    assert watch.seconds == 0.0
+    # bf16 halves the bytes; still far too large, and named the same way.
+    with pytest.raises(jaxspec.InvalidRequestError, match="GiB"):
+        jaxspec.generate(huge_context, None, [1, 2], max_new_tokens=2**31, kv_format="bf16")
+
+
 def test_stream_takes_one_prompt(tiny_model):
     with pytest.raises(jaxspec.InvalidRequestError, match="one prompt"):
         jaxspec.stream(tiny_model, PROMPTS)

@@ -192,3 +192,26 @@ def test_block_count_must_match_the_layers_in_the_file(hf_dirs, tmp_path, block_
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"llama.block_count is \d+"):
         checkpoints.load_checkpoint(path, use_cache=False)
+
+
+def test_a_renamed_tensor_is_refused_not_skipped(tiny_gguf, tmp_path):
+    """output.weight renamed: without the check the model would load as tied (the embedding for
+    a head) and the renamed tensor would be ignored; llama.cpp refuses such a file too."""
+    path, _ = tiny_gguf
+    bad = tmp_path / "renamed.gguf"
+    name = b"output.weight"  # by its length prefix: not blk.*.attn_output.weight
+    key = struct.pack("<Q", len(name)) + name
+    bad.write_bytes(path.read_bytes().replace(key, struct.pack("<Q", len(name)) + b"outpuX.weight", 1))
+    with pytest.raises(CheckpointError, match=r"does not use: 'outpuX.weight'"):
+        checkpoints.load_checkpoint(bad, use_cache=False)
+
+
+def test_numeric_metadata_stored_as_a_string_is_refused(hf_dirs, tmp_path, monkeypatch):
+    """llama.attention.head_count = "4" (a string): int() would take it; the loader refuses it by file."""
+    directory, state_dict = hf_dirs["llama-untied"]
+    path = tmp_path / "string-count.gguf"
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count",
+                        lambda self, n: self.add_string(f"{self.arch}.attention.head_count", str(n)))
+    fx.write_gguf(path, state_dict, fx.hf_config(directory))
+    with pytest.raises(CheckpointError, match=r"string-count.gguf: a config value has the wrong type.*'4'"):
+        checkpoints.load_checkpoint(path, use_cache=False)

@@ -282,7 +282,7 @@ def _edit(mellum_dir, tmp_path, *, config=None, tensors=None):
         (None, lambda s: s.pop("mtp.layers.0.self_attn.k_norm.weight"), jaxspec.CheckpointError,
          "lacks MTP tensor 'mtp.layers.0.self_attn.k_norm.weight'"),
         (None, lambda s: s.update({"mtp.norm.weight": np.ones(64, np.int32)}), jaxspec.CheckpointError,
-         "'mtp.norm.weight' has dtype I32"),
+         "'mtp.norm.weight' in .* is stored as I32; a weight is a float type"),
         (None, lambda s: s.update({"mtp.fc.weight": np.zeros((64, 64), np.float32)}), jaxspec.CheckpointError,
          r"'mtp.fc.weight' has shape \(64, 64\), the config implies \(64, 128\)"),
         (lambda hf: hf.update(mtp_mlp_layer_types=["sparse"]), None, jaxspec.UnsupportedModelError,

@@ -109,6 +109,20 @@ def test_a_gguf_whose_tokenizer_fails_leaves_no_cache_entry(hf_dirs, tmp_path, m
     assert not store.gguf_cache_entry(path).exists()
 
 
+def test_a_file_that_fails_to_parse_does_not_wait_for_its_hash(tmp_path, fresh_cache):
+    """The hash runs beside the parse; a parse that fails cancels it. A 32 GB file (sparse: no
+    disk used) with a bad header must be refused at once, not after 32 GB have been read."""
+    path = tmp_path / "huge.gguf"
+    with open(path, "wb") as handle:
+        handle.write(b"NOPE")
+        handle.truncate(32 << 30)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="not a GGUF file|magic"):
+        checkpoints.load_checkpoint(path)
+    assert time.perf_counter() - start < 5.0
+    assert not (fresh_cache / "params").exists() or not any((fresh_cache / "params").iterdir())
+
+
 def test_interrupted_cache_write_leaves_no_entry(tiny_gguf, monkeypatch, count_dequantize, fresh_cache):
     path, expected = tiny_gguf
     entry = store.gguf_cache_entry(path)

@@ -211,6 +211,43 @@ def test_from_dir_errors(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize(("file_name", "content", "problem"), [
+    ("tokenizer_config.json", b"\x80\x81 not text", r"cannot read .*tokenizer_config.json"),
+    ("tokenizer_config.json", b"[1, 2]", r"tokenizer_config.json holds a JSON list, not an object"),
+    ("tokenizer_config.json", b'{"add_bos_token": "false"}', r"tokenizer_config.json: add_bos_token is 'false'"),
+    ("tokenizer_config.json", b'{"eos_token": 7}', r"tokenizer_config.json: eos_token is 7"),
+    ("tokenizer_config.json", b'{"bos_token": "\\ud800"}', r"tokenizer_config.json holds '\\ud800', a lone surrogate"),
+    ("tokenizer_config.json", b'{"chat_template": "{% for m in messages %}"}',
+     r"tokenizer_config.json: chat template does not compile"),
+    ("tokenizer_config.json", b'{"chat_template": 5}', r"tokenizer_config.json: chat_template is 5"),
+    ("chat_template.jinja", b"\xff\xfe", r"cannot read .*chat_template.jinja"),
+    ("generation_config.json", b'{"eos_token_id": [2, "x"]}', r"generation_config.json: eos_token_id is"),
+    ("generation_config.json", b'{"eos_token_id": true}', r"generation_config.json: eos_token_id is True"),
+])
+def test_from_dir_side_files_are_checked_by_field(tiny, tmp_path, file_name, content, problem):
+    """Every tokenizer side file is a JSON object of fields of the right kinds, else a
+    CheckpointError naming the file and the field (never a UnicodeDecodeError or a truthy string)."""
+    tiny.save(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    if file_name == "chat_template.jinja":  # read only where tokenizer_config.json has no template
+        del config["chat_template"]
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / file_name).write_bytes(content)
+    with pytest.raises(CheckpointError, match=problem):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_from_dir_merges_of_unknown_tokens_are_named(tiny, tmp_path):
+    """tokenizer.json whose merges name tokens the vocabulary lacks: the tokenizers library's own
+    error (a bare Exception) becomes a CheckpointError naming the file."""
+    tiny.save(tmp_path)
+    document = json.loads((tmp_path / "tokenizer.json").read_text())
+    document["model"]["merges"].append("zz qq")
+    (tmp_path / "tokenizer.json").write_text(json.dumps(document))
+    with pytest.raises(CheckpointError, match=r"tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
 def test_unsupported_tokenizers_are_rejected():
     with pytest.raises(UnsupportedModelError, match=re.escape("tokenizer.ggml.pre='mystery-bpe'")):
         Tokenizer.from_gguf_metadata(_tiny_metadata(**{"tokenizer.ggml.pre": "mystery-bpe"}))

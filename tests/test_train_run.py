@@ -143,7 +143,7 @@ def test_mtp_head_trains_and_round_trips(toy, tmp_path):
     tensors = load_file(str(result.head_path / "model.safetensors"))
     for damage, message in [(lambda t: t.pop("eh_proj"), "lacks MTP head tensor 'eh_proj'"),
                             (lambda t: t.update(enorm=t["enorm"][:-1]), "'enorm' has shape"),
-                            (lambda t: t.update({"block.q_proj": t["block.q_proj"].astype(np.int32)}), "dtype I32")]:
+                            (lambda t: t.update({"block.q_proj": t["block.q_proj"].astype(np.int32)}), "stored as I32")]:
         broken = dict(tensors)
         damage(broken)
         save_file(broken, str(result.head_path / "model.safetensors"))

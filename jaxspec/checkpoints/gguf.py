@@ -22,12 +22,13 @@ import struct
 from typing import Any
 
 import gguf
+import jax
 import numpy as np
 
 from jaxspec import models
 from jaxspec.checkpoints.assemble import assemble_params, check_layer_count, config_values_checked
 from jaxspec.errors import CheckpointError, UnsupportedModelError
-from jaxspec.models.family import Family
+from jaxspec.models.family import Family, TensorSource
 
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -343,7 +344,20 @@ def config_from_gguf(gf: GGUFFile) -> Any:
         check_layer_count(gf.metadata[block_count], gf.tensors, _GGUF_LAYER, field=block_count, source=gf.path)
     shapes = {name: info.shape for name, info in gf.tensors.items()}
     with config_values_checked(gf.path):
-        return family.config_from_gguf(gf.metadata, shapes, str(gf.path))
+        cfg = family.config_from_gguf(gf.metadata, shapes, str(gf.path))
+    for info in gf.tensors.values():  # from the header: fail before minutes of dequantizing, not after
+        check_dequantizable(info)
+    # Every tensor the file holds is one the config's model reads, as llama.cpp requires: a
+    # renamed tensor would otherwise be skipped silently (a renamed output.weight loads the model
+    # as tied, with the embedding for a head).
+    wanted = {source.name for source in jax.tree.leaves(family.gguf_tensors(cfg, gf.architecture),
+                                                         is_leaf=lambda leaf: isinstance(leaf, TensorSource))}
+    unused = sorted(set(gf.tensors) - wanted)
+    if unused:
+        raise CheckpointError(
+            f"GGUF file {gf.path} holds {len(unused)} tensor(s) a {family.name} model of its config does not use: "
+            f"{', '.join(map(repr, unused[:4]))}{'...' if len(unused) > 4 else ''}")
+    return cfg
 
 
 def gguf_tokenizer_metadata(gf: GGUFFile) -> dict[str, Any]:
@@ -354,8 +368,5 @@ def gguf_tokenizer_metadata(gf: GGUFFile) -> dict[str, Any]:
 def params_from_gguf(gf: GGUFFile, cfg: Any, *, progress: bool = False) -> Any:
     """The family's params tree as float32 numpy, every tensor dequantized and shape-checked."""
     family = gguf_family(gf)
-    for info in gf.tensors.values():  # fail before minutes of work, not after
-        check_dequantizable(info)
-
     return assemble_params(family.param_shapes(cfg), family.gguf_tensors(cfg, gf.architecture), gf.tensor,
                            available=gf.tensors, source="GGUF file", path=gf.path, progress=progress)

@@ -33,6 +33,9 @@ _RAW_DTYPES = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U8")
+# What a weight may be stored as: float types only. An integer or bool tensor read "as float32"
+# would be its integers as numbers (an F32 header entry re-declared I32 loads its bit patterns).
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", *(name for name in _RAW_DTYPES if name.startswith("F8")))
 
 
 def read_json(path: pathlib.Path) -> Any:
@@ -61,15 +64,19 @@ def hf_weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     index = directory / "model.safetensors.index.json"
     single = directory / "model.safetensors"
     if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index} has no 'weight_map'")
+        document = read_json(index)
+        weight_map = document.get("weight_map") if isinstance(document, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no 'weight_map' object naming each tensor's shard file")
         root = directory.resolve()
         files = {}
         for name, shard in weight_map.items():
-            if not isinstance(shard, str) or not shard:
-                raise CheckpointError(f"{index}: weight_map[{name!r}] is {shard!r}, not a shard file name")
-            path = (directory / shard).resolve()
+            if not isinstance(shard, str) or not shard or "\x00" in shard:
+                raise CheckpointError(f"{index}: weight_map[{name!r}] is {shard!r:.60}, not a shard file name")
+            try:
+                path = (directory / shard).resolve()
+            except (OSError, ValueError, RuntimeError) as err:  # a symlink loop, an unencodable name
+                raise CheckpointError(f"{index}: shard {shard!r:.60} of {name!r} cannot be resolved ({err})") from None
             # A shard is a file inside the model directory: an entry like "../../other/x.safetensors"
             # (or an absolute path, or a symlink out) would read weights the directory does not hold.
             if not path.is_relative_to(root):
@@ -108,20 +115,33 @@ class SafetensorsReader:
 
     def _handle(self, path: pathlib.Path) -> Any:
         if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(open_safetensors(path))
-        return self._handles[path]
+            handle = self._stack.enter_context(open_safetensors(path))
+            self._handles[path] = handle, frozenset(handle.keys())
+        return self._handles[path][0]
+
+    def _slice(self, name: str) -> Any:
+        """The tensor's slice in the shard the index names; a shard that lacks it (an index
+        entry pointing at the wrong file) is a CheckpointError naming both."""
+        path = self.files[name]
+        handle = self._handle(path)
+        if name not in self._handles[path][1]:
+            raise CheckpointError(f"{path} does not hold tensor {name!r}, which the shard index places there")
+        return handle.get_slice(name)
 
     def dtype(self, name: str) -> str:
         """The stored dtype's safetensors name ("F32", "BF16", "I64", ...)."""
-        return self._handle(self.files[name]).get_slice(name).get_dtype()
+        return self._slice(name).get_dtype()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def read(self, name: str) -> np.ndarray:
         """A float tensor as float32 (bf16 and fp8 decoded from the raw bytes)."""
         path = self.files[name]
         dtype = self.dtype(name)
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {path} is stored as {dtype}; a weight is a float type "
+                                  f"({', '.join(FLOAT_DTYPES)})")
         if dtype not in _RAW_DTYPES:
             return self._handle(path).get_tensor(name).astype(np.float32, copy=False)
         header, data_start = _header(path, path.stat().st_mtime_ns)
@@ -133,7 +153,8 @@ class SafetensorsReader:
     def read_integer(self, name: str) -> np.ndarray:
         """An integer tensor as int64; CheckpointError when it is stored as anything else."""
         if self.dtype(name) not in INTEGER_DTYPES:
-            raise CheckpointError(f"tensor {name!r} has dtype {self.dtype(name)}; expected an integer type")
+            raise CheckpointError(f"tensor {name!r} has dtype {self.dtype(name)}; expected an integer type "
+                                  f"(in {self.files[name]})")
         return np.asarray(self._handle(self.files[name]).get_tensor(name)).astype(np.int64)
 
 
@@ -143,7 +164,8 @@ def hf_family(directory: pathlib.Path, files: Mapping[str, pathlib.Path]) -> tup
     hf = read_json(directory / HF_CONFIG)
     if not isinstance(hf, dict):
         raise CheckpointError(f"{directory / HF_CONFIG} is not a JSON object")
-    family = models.family_for_hf(hf)
+    with config_values_checked(directory / HF_CONFIG):
+        family = models.family_for_hf(hf)
     # The layer count against the weight files' layers, before the parse sizes anything by it.
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     if "num_hidden_layers" in text:

@@ -25,6 +25,7 @@ import logging
 import os
 import pathlib
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -75,9 +76,20 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "jaxspec"
 
 
-def file_sha256(path: pathlib.Path) -> str:
+class _Cancelled(Exception):
+    """The hash was no longer wanted (the file failed to parse)."""
+
+
+def file_sha256(path: pathlib.Path, cancel: threading.Event | None = None) -> str:
+    """The file's sha256, read in 4 MB chunks; `cancel` set stops it between chunks (a load that
+    fails to parse a 100 GB file must not wait for its hash)."""
+    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+        while chunk := handle.read(1 << 22):
+            if cancel is not None and cancel.is_set():
+                raise _Cancelled(path)
+            digest.update(chunk)  # releases the GIL: the parse goes on beside it
+    return digest.hexdigest()
 
 
 def gguf_cache_entry(gguf_path: pathlib.Path, digest: str | None = None,
@@ -204,13 +216,19 @@ def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = Fa
     converted (and cached, unless `use_cache=False`). A damaged entry is rebuilt; an
     unwritable cache only logs a warning."""
     entry = float_entry = None
+    cancel = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         # hashlib releases the GIL: hash the file while this thread parses the header and
-        # imports orbax (~0.3 s of a ~1 s cached load).
-        digest = pool.submit(file_sha256, path) if use_cache else None
-        gf = gguf_reader.read_gguf(path)
-        family = gguf_reader.gguf_family(gf)
-        cfg = gguf_reader.config_from_gguf(gf)
+        # imports orbax (~0.3 s of a ~1 s cached load). A parse that fails stops the hash, or
+        # leaving this block would wait for the whole file to be read.
+        digest = pool.submit(file_sha256, path, cancel) if use_cache else None
+        try:
+            gf = gguf_reader.read_gguf(path)
+            family = gguf_reader.gguf_family(gf)
+            cfg = gguf_reader.config_from_gguf(gf)
+        except BaseException:
+            cancel.set()
+            raise
         if digest is not None:
             import orbax.checkpoint  # noqa: F401
 
@@ -229,7 +247,7 @@ def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = Fa
             # the params were dequantized would otherwise leave an entry no load can use.
             from jaxspec.tokenizer import Tokenizer
 
-            Tokenizer.from_checkpoint_source(gguf_reader.gguf_tokenizer_metadata(gf))
+            Tokenizer.from_checkpoint_source(gguf_reader.gguf_tokenizer_metadata(gf), origin=path)
             try:
                 _sweep_stale_tmp(entry.parent)
                 write_atomically(entry, functools.partial(save_params, host_params))

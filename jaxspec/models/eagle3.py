@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig, RopeScaling, _rope_settings, resolve_rotary_dim
+from jaxspec.config import (ModelConfig, RopeScaling, _rope_settings, check_sizes_and_numerics, count, real,
+                            resolve_rotary_dim)
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models.layers import (
     AttentionParams,
@@ -110,6 +111,14 @@ class Eagle3Config:
     max_position_embeddings: int
     aux_layer_ids: tuple[int, ...] | None = None  # input-of-layer ids; None = the default for the target
 
+    def __post_init__(self):
+        check_sizes_and_numerics(self, ("dim", "num_heads", "num_kv_heads", "head_dim", "ffn_dim", "draft_vocab_size",
+                                        "vocab_size", "max_position_embeddings"))
+        if self.draft_vocab_size > self.vocab_size:
+            raise UnsupportedModelError(f"draft_vocab_size={self.draft_vocab_size} exceeds vocab_size={self.vocab_size}: "
+                                        "the draft vocabulary is a subset of the target's")
+        self.attention_config  # the head's layer as a trunk config: heads, kv heads and rotary_dim checked there
+
     @property
     def attention_config(self) -> ModelConfig:
         """The head's single decoder layer seen as a one-layer trunk (for attention and its cache)."""
@@ -139,29 +148,39 @@ def target_hidden_layers(aux_layer_ids: tuple[int, ...]) -> tuple[int, ...]:
 def config_from_hf(hf: Mapping[str, Any]) -> Eagle3Config:
     """Parse an EAGLE-3 head's config.json (LlamaForCausalLMEagle3 style)."""
     try:
-        dim = int(hf["hidden_size"])
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or dim // num_heads)
+        dim = count(hf["hidden_size"])
+        num_heads = count(hf["num_attention_heads"])
+        head_dim = count(hf.get("head_dim") or dim // num_heads)
         theta, scaling = _rope_settings(hf)
         eagle = hf.get("eagle_config") or {}
+        if not isinstance(eagle, Mapping):
+            raise TypeError(f"eagle_config must be an object; got {eagle!r:.40}")
         aux = eagle.get("eagle_aux_hidden_state_layer_ids")
-        vocab = int(hf["vocab_size"])
+        if aux is not None and not isinstance(aux, list):
+            raise TypeError(f"eagle_aux_hidden_state_layer_ids must be a list of layer ids; got {aux!r:.40}")
+        vocab = count(hf["vocab_size"])
         return Eagle3Config(
-            dim=dim, num_heads=num_heads, num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=head_dim, ffn_dim=int(hf["intermediate_size"]),
-            draft_vocab_size=int(hf.get("draft_vocab_size") or vocab), vocab_size=vocab,
+            dim=dim, num_heads=num_heads, num_kv_heads=count(hf.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim, ffn_dim=count(hf["intermediate_size"]),
+            draft_vocab_size=count(hf.get("draft_vocab_size") or vocab), vocab_size=vocab,
             rope_theta=theta, rotary_dim=resolve_rotary_dim(hf, head_dim), rope_scaling=scaling,
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            aux_layer_ids=None if aux is None else tuple(int(i) for i in aux),
+            norm_eps=real(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=count(hf.get("max_position_embeddings", 2048)),
+            aux_layer_ids=None if aux is None else tuple(count(i) for i in aux),
         )
     except KeyError as missing:
         raise UnsupportedModelError(f"EAGLE-3 config.json lacks required field {missing}") from None
 
 
-def is_eagle3_config(hf: Mapping[str, Any]) -> bool:
-    architectures = hf.get("architectures") or []
-    return any("eagle3" in a.lower() for a in architectures) or "eagle_config" in hf or "draft_vocab_size" in hf
+def is_eagle3_config(hf: Any) -> bool:
+    """Whether a config.json's value describes an EAGLE-3 head (anything else, a list or a
+    malformed `architectures` included, is not one: the trunk loaders then name what is wrong)."""
+    if not isinstance(hf, Mapping):
+        return False
+    architectures = hf.get("architectures")
+    names = architectures if isinstance(architectures, list) else []
+    return (any(isinstance(a, str) and "eagle3" in a.lower() for a in names) or "eagle_config" in hf
+            or "draft_vocab_size" in hf)
 
 
 def init_params(cfg: Eagle3Config, key: jax.Array, scale: float = 0.05) -> Eagle3Params:

@@ -40,6 +40,8 @@ from jaxspec.config import (
     config_from_dict,
     config_from_hf,
     config_to_dict,
+    count,
+    real,
     resolve_rotary_dim,
 )
 from jaxspec.errors import CheckpointError, UnsupportedModelError
@@ -271,7 +273,7 @@ def _uniform(value: Any, key: str, source: str) -> int:
         if not value or len(set(value)) != 1:
             raise UnsupportedModelError(f"{key} varies by layer in {source}: {value}")
         value = value[0]
-    return int(value)
+    return count(value)
 
 
 def config_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]],
@@ -299,23 +301,23 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
     if GGUF_NAMES["embed"] not in tensor_shapes:
         raise CheckpointError(f"GGUF file {source} lacks tensor {GGUF_NAMES['embed']!r}")
 
-    dim = int(get("embedding_length"))
+    dim = count(get("embedding_length"))
     num_heads = _uniform(get("attention.head_count"), f"{arch}.attention.head_count", source)
     num_kv_heads = _uniform(get("attention.head_count_kv", num_heads), f"{arch}.attention.head_count_kv", source)
-    head_dim = int(get("attention.key_length", dim // num_heads))
-    value_dim = int(get("attention.value_length", head_dim))
+    head_dim = count(get("attention.key_length", dim // num_heads))
+    value_dim = count(get("attention.value_length", head_dim))
     if value_dim != head_dim:
         raise UnsupportedModelError(f"{source}: value_length {value_dim} != key_length {head_dim}")
     rope_width = meta.get(f"{arch}.rope.dimension_count")
-    context = int(get("context_length", 2048))
+    context = count(get("context_length", 2048))
     window = meta.get(f"{arch}.attention.sliding_window")
     if window:  # full attention up to the window, as config_from_hf does for Mistral
-        context = min(context, int(window))
+        context = min(context, count(window))
     eos_ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         token = meta.get(f"tokenizer.ggml.{key}")
-        if token is not None and int(token) not in eos_ids:
-            eos_ids.append(int(token))
+        if token is not None and count(token) not in eos_ids:
+            eos_ids.append(count(token))
     bos = meta.get("tokenizer.ggml.bos_token_id")
     architecture = GGUF_ARCHITECTURES[arch]
     return ModelConfig(
@@ -323,19 +325,19 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
         # The embedding's rows are the vocabulary the params serve (the token list may be shorter).
         vocab_size=tensor_shapes[GGUF_NAMES["embed"]][0],
         dim=dim,
-        num_layers=int(get("block_count")),
+        num_layers=count(get("block_count")),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         ffn_dim=_uniform(get("feed_forward_length"), f"{arch}.feed_forward_length", source),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_theta=real(get("rope.freq_base", 10000.0)),
         rotary_dim=resolve_rotary_dim({} if rope_width is None else {"rotary_dim": rope_width}, head_dim),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        norm_eps=real(get("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=context,
         tie_embeddings=GGUF_NAMES["lm_head"] not in tensor_shapes,
         attention_bias=f"blk.0.{GGUF_NAMES['q_bias']}" in tensor_shapes,
         qk_norm=architecture is Architecture.QWEN3,
-        bos_token_id=None if bos is None else int(bos),
+        bos_token_id=None if bos is None else count(bos),
         eos_token_ids=tuple(eos_ids),
     )
 

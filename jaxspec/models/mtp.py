@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig, flag
+from jaxspec.config import ModelConfig, count, flag
 from jaxspec.config import config_from_hf as trunk_config_from_hf
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models import llama
@@ -155,8 +155,8 @@ def forward(
 def config_from_hf(hf: Mapping[str, Any]) -> MtpConfig:
     """The MTP head's config from its target's config.json (`num_nextn_predict_layers`, or
     transformers' `num_mtp_layers`; Mellum's `mtp_layer_types` / `mtp_mlp_layer_types`)."""
-    count = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers"))
-    if not count:
+    layers = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers"))
+    if not layers:
         raise UnsupportedModelError(
             "config.json declares no MTP layers (num_nextn_predict_layers / num_mtp_layers); this "
             "checkpoint has no MTP head")
@@ -176,6 +176,6 @@ def config_from_hf(hf: Mapping[str, Any]) -> MtpConfig:
     if layer_type == "sliding_attention" and window:
         # A sliding layer attends like a full one up to its window: the head serves contexts
         # that fit in it (a request beyond is refused, see jaxspec.api).
-        block = dataclasses.replace(block, max_position_embeddings=min(block.max_position_embeddings, int(window)))
+        block = dataclasses.replace(block, max_position_embeddings=min(block.max_position_embeddings, count(window)))
     return MtpConfig(block=block, hidden_first=flag(hf.get("mtp_hidden_states_first", False), "mtp_hidden_states_first"),
-                     num_checkpoint_layers=int(count))
+                     num_checkpoint_layers=count(layers))

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.config import (RopeScaling, _rope_settings, check_sizes_and_numerics, flag, from_json_dict,
-                            resolve_rotary_dim, to_json_dict)
+from jaxspec.config import (RopeScaling, _rope_settings, check_sizes_and_numerics, count, eos_ids, flag, from_json_dict,
+                            real, resolve_rotary_dim, to_json_dict)
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models.family import Family, TensorSource
 from jaxspec.models.gated_deltanet import DeltaNetParams, DeltaRule, gated_delta_net
@@ -414,10 +414,10 @@ def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8, recorded_
         if value != supported and not (supported is None and not value):
             raise UnsupportedModelError(f"{field}={value!r} is not supported by the Qwen3.5 trunk (needs {supported!r})")
     try:
-        num_layers = int(text["num_hidden_layers"])
+        num_layers = count(text["num_hidden_layers"])
         layer_types = text.get("layer_types")
         if layer_types is None:  # HF's default pattern: every `full_attention_interval`-th layer
-            interval = int(text.get("full_attention_interval", 4))
+            interval = count(text.get("full_attention_interval", 4))
             layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                            for i in range(num_layers)]
         if len(layer_types) != num_layers:
@@ -434,8 +434,8 @@ def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8, recorded_
         if rope_fields.get("rope_theta") is None:
             rope_fields["rope_theta"] = DEFAULT_ROPE_THETA
         rope = text.get("rope_parameters") or {}
-        dim, num_heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-        head_dim = int(text.get("head_dim") or dim // num_heads)
+        dim, num_heads = count(text["hidden_size"]), count(text["num_attention_heads"])
+        head_dim = count(text.get("head_dim") or dim // num_heads)
         if "rotary_dim" not in text and "partial_rotary_factor" not in text and "partial_rotary_factor" not in rope:
             rope_fields["partial_rotary_factor"] = 0.25  # HF's default for Qwen3.5 (before the parse: longrope checks it)
         try:
@@ -444,30 +444,31 @@ def config_from_hf(hf: Mapping[str, Any], *, rollback_states: int = 8, recorded_
             raise UnsupportedModelError(f"rope_parameters (rope_type): {err}") from None
         tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         eos = text.get("eos_token_id", hf.get("eos_token_id"))
+        bos = text.get("bos_token_id", hf.get("bos_token_id"))
         return Qwen35Config(
-            vocab_size=int(text["vocab_size"]),
+            vocab_size=count(text["vocab_size"]),
             dim=dim,
             num_layers=num_layers,
             layer_types=tuple(kinds),
-            ffn_dim=int(text["intermediate_size"]),
+            ffn_dim=count(text["intermediate_size"]),
             num_heads=num_heads,
-            num_kv_heads=int(text.get("num_key_value_heads") or num_heads),
+            num_kv_heads=count(text.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             rotary_dim=resolve_rotary_dim(rope_fields, head_dim),
             rope_theta=theta,
             rope_scaling=scaling,
-            linear_num_key_heads=int(text["linear_num_key_heads"]),
-            linear_num_value_heads=int(text["linear_num_value_heads"]),
-            linear_key_head_dim=int(text["linear_key_head_dim"]),
-            linear_value_head_dim=int(text["linear_value_head_dim"]),
-            linear_conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
-            norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            linear_num_key_heads=count(text["linear_num_key_heads"]),
+            linear_num_value_heads=count(text["linear_num_value_heads"]),
+            linear_key_head_dim=count(text["linear_key_head_dim"]),
+            linear_value_head_dim=count(text["linear_value_head_dim"]),
+            linear_conv_kernel=count(text.get("linear_conv_kernel_dim", 4)),
+            norm_eps=real(text.get("rms_norm_eps", 1e-6)),
             # longrope is exact only up to its original context (config.RopeScaling.context_limit)
-            max_position_embeddings=min(int(text.get("max_position_embeddings", 2048)),
+            max_position_embeddings=min(count(text.get("max_position_embeddings", 2048)),
                                         (scaling.context_limit if scaling is not None else None) or 1 << 62),
             tie_embeddings=flag(tie, "tie_word_embeddings"),
-            bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")),
-            eos_token_ids=() if eos is None else ((int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)),
+            bos_token_id=None if bos is None else count(bos),
+            eos_token_ids=eos_ids(eos),
             rollback_states=rollback_states,
             recorded_steps=recorded_steps,
         )

@@ -1,0 +1,656 @@
+"""Hostile input, property-based (issue 19): configs, GGUF and safetensors headers, shard indexes,
+tokenizer files, generate() arguments and CLI flags, each mutated by hypothesis.
+
+Every case must end in one of two ways: a `JaxspecError` with a message, or a correct result. Any
+other exception, a hang (each case runs under a 20 s alarm) or a load that "succeeds" with values
+the file does not hold fails the test. What counts as correct is checked against ground truth the
+fixtures keep (the weights they wrote, byte for byte), never against jaxspec's own readers.
+
+CI runs a fixed, derandomized set of examples (the suite's budget). For a wider run, set
+JAXSPEC_FUZZ_EXAMPLES=N (random seeds, N examples per test) and JAXSPEC_FUZZ_REPORT=FILE to get
+the outcomes by kind as JSON:
+    JAXSPEC_FUZZ_EXAMPLES=2000 JAXSPEC_FUZZ_REPORT=/tmp/fuzz.json python -m pytest -q tests/test_fuzz.py
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import math
+import os
+import pathlib
+import shutil
+import signal
+import struct
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import save_file
+
+import ckpt_fixtures as fx
+import jaxspec
+from jaxspec import checkpoints, cli
+from jaxspec.api import Model, prepare
+from jaxspec.errors import JaxspecError
+from jaxspec.models import eagle3
+from jaxspec.tokenizer import Tokenizer
+
+_WIDE_RUN = int(os.environ.get("JAXSPEC_FUZZ_EXAMPLES", "0"))
+OUTCOMES: collections.Counter = collections.Counter()  # (test, outcome) -> cases
+
+
+def fuzz(examples: int):
+    """CI: `examples` derandomized cases; a wide run: JAXSPEC_FUZZ_EXAMPLES random ones."""
+    return settings(max_examples=_WIDE_RUN or examples, derandomize=not _WIDE_RUN, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                           HealthCheck.data_too_large, HealthCheck.large_base_example])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def outcome_report():
+    yield
+    report = os.environ.get("JAXSPEC_FUZZ_REPORT")
+    if report:
+        by_test = collections.defaultdict(dict)
+        for (test, outcome), count in sorted(OUTCOMES.items()):
+            by_test[test][outcome] = count
+        pathlib.Path(report).write_text(json.dumps(by_test, indent=2))
+
+
+@contextlib.contextmanager
+def _alarm(seconds: int = 20):
+    """A hang fails the case instead of stalling the suite (SIGALRM interrupts a blocking open)."""
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"hung for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def outcome(test: str, call, *named):
+    """Run `call`: its result, or None after a JaxspecError (whose message must name each of
+    `named`). Every other exception propagates and fails the case."""
+    try:
+        with _alarm():
+            result = call()
+    except JaxspecError as error:
+        message = str(error)
+        assert message.strip(), f"{type(error).__name__} without a message"
+        if named:  # a file's problem names the file, or its directory where the fault is the directory's
+            assert any(str(name) in message for name in named), f"{message!r} names none of {named}"
+        OUTCOMES[test, type(error).__name__] += 1
+        return None
+    OUTCOMES[test, "ok"] += 1
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny Llama written with numpy alone (no torch): the ground truth is the arrays written.
+# ---------------------------------------------------------------------------------------------
+
+CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+              max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False, torch_dtype="float32")
+
+
+def tiny_state_dict(config: dict = CONFIG, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.RandomState(seed)
+    d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim = d // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+
+    def w(*shape):
+        return rng.randn(*shape).astype(np.float32) * 0.5
+
+    state = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": w(d), "lm_head.weight": w(v, d)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        state |= {p + "input_layernorm.weight": w(d), p + "post_attention_layernorm.weight": w(d),
+                  p + "self_attn.q_proj.weight": w(d, d), p + "self_attn.k_proj.weight": w(kv, d),
+                  p + "self_attn.v_proj.weight": w(kv, d), p + "self_attn.o_proj.weight": w(d, d),
+                  p + "mlp.gate_proj.weight": w(f, d), p + "mlp.up_proj.weight": w(f, d),
+                  p + "mlp.down_proj.weight": w(d, f)}
+    return state
+
+
+def write_hf_dir(directory: pathlib.Path, config, state: dict[str, np.ndarray], *, shards: int = 1) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    if shards == 1:
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = sorted(state)
+    weight_map = {}
+    for shard in range(shards):
+        file_name = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: state[name] for name in names[shard::shards]}
+        save_file(part, str(directory / file_name), metadata={"format": "pt"})
+        weight_map |= {name: file_name for name in part}
+    index = {"metadata": {"total_size": sum(a.nbytes for a in state.values())}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _fingerprints(arrays) -> collections.Counter:
+    return collections.Counter((a.shape, a.dtype.str, a.tobytes()) for a in map(np.asarray, arrays))
+
+
+def assert_sane_config(cfg) -> None:
+    """What any loaded config must hold, whatever the file said."""
+    for field in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+                  "max_position_embeddings"):
+        value = getattr(cfg, field)
+        assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (field, value)
+    assert cfg.num_heads % cfg.num_kv_heads == 0
+    for field in ("rope_theta", "norm_eps"):
+        value = getattr(cfg, field)
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (field, value)
+    assert all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t for t in cfg.eos_token_ids)
+
+
+def assert_loaded_what_the_file_holds(checkpoint, state: dict[str, np.ndarray]) -> None:
+    """Every loaded array is one the file holds, bit for bit, and every tensor the file holds is
+    loaded once: nothing misread, nothing silently dropped."""
+    assert_sane_config(checkpoint.config)
+    loaded = [leaf for leaf in jax.tree.leaves(checkpoint.params) if np.asarray(leaf).size]
+    assert _fingerprints(loaded) == _fingerprints(state.values()), "the loaded params are not the file's tensors"
+    assert checkpoint.config.num_layers == CONFIG["num_hidden_layers"]
+
+
+class _Arrays(dict):
+    """The written tensors by name (a short repr: hypothesis prints a failing case's arguments)."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} tensors>"
+
+
+@pytest.fixture(scope="module")
+def ground_truth() -> dict[str, np.ndarray]:
+    return _Arrays(tiny_state_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------
+
+# Values a hostile or careless config holds: every JSON type, the edges of every range.
+_EDGE_INTS = st.sampled_from([0, 1, 2, 3, -1, 7, 8, 16, 31, 32, 64, 127, 128, 129, 2**31, 2**32 + 1, 2**63, 10**18,
+                              -(2**63)])
+JSON_SCALARS = st.one_of(
+    _EDGE_INTS, st.integers(), st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.5, 2.5, 32.0, 1e-30, -1e-5, 1e308]), st.booleans(), st.none(),
+    st.text(max_size=8), st.sampled_from(["32", "abc", "false", "true", "", "llama", "qwen2", "qwen3", "NaN"]))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                                  st.dictionaries(st.text(max_size=6), inner,
+                                                                                  max_size=3)), max_leaves=6)
+CONFIG_KEYS = st.sampled_from(sorted(CONFIG) + [
+    "head_dim", "rope_scaling", "rope_parameters", "attention_bias", "sliding_window", "use_sliding_window",
+    "num_nextn_predict_layers", "partial_rotary_factor", "text_config", "layer_types", "hidden_act", "mlp_bias",
+    "pad_token_id", "original_max_position_embeddings"])
+
+
+@st.composite
+def mutated_configs(draw):
+    if draw(st.integers(0, 19)) == 0:  # not an object at all
+        return draw(st.one_of(JSON_SCALARS, st.lists(JSON_SCALARS, max_size=3)))
+    config = dict(CONFIG)
+    for _ in range(draw(st.integers(1, 3))):
+        key = draw(CONFIG_KEYS)
+        if key in config and draw(st.integers(0, 4)) == 0:
+            del config[key]
+        else:
+            config[key] = draw(JSON_VALUES)
+    return config
+
+
+@fuzz(150)
+@given(config=mutated_configs())
+def test_config_values(tmp_path_factory, ground_truth, config):
+    directory = tmp_path_factory.mktemp("config")
+    write_hf_dir(directory, config, ground_truth)
+    # jaxspec.load, as a user calls it (head detection first, then the trunk, then the tokenizer);
+    # what loads is then checked tensor by tensor through the unfused checkpoint.
+    if outcome("config.json", lambda: jaxspec.load(str(directory), use_cache=False), directory) is not None:
+        assert_loaded_what_the_file_holds(checkpoints.load_checkpoint(directory, use_cache=False), ground_truth)
+    shutil.rmtree(directory)
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors headers and the shard index
+# ---------------------------------------------------------------------------------------------
+
+DTYPES = st.sampled_from(["F32", "F16", "BF16", "F64", "I32", "I64", "U8", "I8", "BOOL", "F8_E4M3", "X", "", 7])
+
+
+@st.composite
+def header_edits(draw, names: list[str]):
+    """One edit of a safetensors header (as JSON) or of its raw bytes."""
+    kind = draw(st.sampled_from(["dtype", "shape", "offsets", "drop", "rename", "duplicate", "length", "bytes",
+                                 "metadata", "truncate"]))
+    return kind, draw(st.sampled_from(names)), draw(st.data())
+
+
+def _edit_header(data: bytes, kind: str, name: str, draw) -> bytes:
+    (length,) = struct.unpack_from("<Q", data)
+    header, body = json.loads(data[8 : 8 + length]), data[8 + length :]
+    if kind == "length":
+        return struct.pack("<Q", draw.draw(st.one_of(_EDGE_INTS.filter(lambda n: 0 <= n < 2**64),
+                                                     st.integers(0, len(data) + 64)))) + data[8:]
+    if kind == "bytes":
+        raw = bytearray(data)
+        for _ in range(draw.draw(st.integers(1, 4))):
+            raw[draw.draw(st.integers(0, 8 + length - 1))] = draw.draw(st.integers(0, 255))
+        return bytes(raw)
+    if kind == "truncate":
+        return data[: draw.draw(st.integers(0, len(data) - 1))]
+    entry = header[name]
+    if kind == "dtype":
+        entry["dtype"] = draw.draw(DTYPES)
+    elif kind == "shape":
+        entry["shape"] = draw.draw(st.one_of(st.lists(st.one_of(_EDGE_INTS, st.integers(-3, 70)), max_size=4),
+                                             JSON_SCALARS))
+    elif kind == "offsets":
+        start, end = entry["data_offsets"]
+        entry["data_offsets"] = draw.draw(st.one_of(
+            st.tuples(st.integers(-8, len(body) + 8), st.integers(-8, len(body) + 8)).map(list),
+            st.just([start + 4, end + 4]), st.just([start, end - 4]), st.just([0, end - start]), JSON_SCALARS))
+    elif kind == "drop":
+        del header[name]
+    elif kind == "rename":
+        header[draw.draw(st.sampled_from(["x", name + "x", name.replace("layers.1", "layers.7"), "lm_head.bias"]))] = \
+            header.pop(name)
+    elif kind == "duplicate":
+        other = draw.draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")))
+        header[other] = dict(entry)
+    elif kind == "metadata":
+        header["__metadata__"] = draw.draw(JSON_VALUES)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + body
+
+
+@pytest.fixture(scope="module")
+def hf_source(tmp_path_factory, ground_truth) -> pathlib.Path:
+    directory = tmp_path_factory.mktemp("hf-source")
+    write_hf_dir(directory, CONFIG, ground_truth)
+    return directory
+
+
+@fuzz(150)
+@given(edit=header_edits(sorted(tiny_state_dict())))
+def test_safetensors_headers(tmp_path_factory, hf_source, ground_truth, edit):
+    kind, name, draw = edit
+    directory = tmp_path_factory.mktemp("st")
+    (directory / "config.json").write_bytes((hf_source / "config.json").read_bytes())
+    data = (hf_source / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes(_edit_header(data, kind, name, draw))
+    checkpoint = outcome("safetensors header", lambda: checkpoints.load_checkpoint(directory, use_cache=False),
+                         "model.safetensors", directory)
+    if checkpoint is not None:
+        assert_loaded_what_the_file_holds(checkpoint, ground_truth)
+    shutil.rmtree(directory)
+
+
+@pytest.fixture(scope="module")
+def sharded_source(tmp_path_factory, ground_truth) -> pathlib.Path:
+    directory = tmp_path_factory.mktemp("sharded")
+    write_hf_dir(directory / "model", CONFIG, ground_truth, shards=2)
+    save_file({"x": np.zeros(4, np.float32)}, str(directory / "outside.safetensors"))
+    return directory / "model"
+
+
+@st.composite
+def index_edits(draw):
+    index_value = st.one_of(
+        st.sampled_from(["../outside.safetensors", "/etc/passwd", str(pathlib.Path("/tmp") / "outside.safetensors"),
+                         "missing.safetensors", "", ".", "config.json", "model.safetensors.index.json",
+                         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "sub/../x"]),
+        JSON_SCALARS)
+    kind = draw(st.sampled_from(["entry", "drop", "add", "weight_map", "top", "bytes"]))
+    return kind, draw(index_value), draw(st.integers(0, 10**6)), draw(st.data())
+
+
+@fuzz(80)
+@given(edit=index_edits())
+def test_shard_index(tmp_path_factory, sharded_source, ground_truth, edit):
+    kind, value, pick, draw = edit
+    directory = tmp_path_factory.mktemp("index") / "model"
+    shutil.copytree(sharded_source, directory)
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    names = sorted(index["weight_map"])
+    if kind == "entry":
+        index["weight_map"][names[pick % len(names)]] = value
+    elif kind == "drop":
+        del index["weight_map"][names[pick % len(names)]]
+    elif kind == "add":
+        index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = value
+    elif kind == "weight_map":
+        index["weight_map"] = value
+    elif kind == "top":
+        index = value
+    text = json.dumps(index).encode()
+    if kind == "bytes":
+        raw = bytearray(text)
+        raw[pick % len(raw)] = draw.draw(st.integers(0, 255))
+        text = bytes(raw)
+    index_path.write_bytes(text)
+    checkpoint = outcome("shard index", lambda: checkpoints.load_checkpoint(directory, use_cache=False))
+    if checkpoint is not None:
+        assert_loaded_what_the_file_holds(checkpoint, ground_truth)
+    shutil.rmtree(directory.parent)
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3 head directories: config.json values and safetensors headers
+# ---------------------------------------------------------------------------------------------
+
+HEAD_CONFIG = eagle3.Eagle3Config(vocab_size=CONFIG["vocab_size"], dim=CONFIG["hidden_size"], num_heads=4,
+                                  num_kv_heads=2, head_dim=8, ffn_dim=64, draft_vocab_size=16, rope_theta=10000.0,
+                                  rotary_dim=8, norm_eps=1e-5, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def head_source(tmp_path_factory):
+    """A random EAGLE-3 head saved as a checkpoint directory, and its arrays as saved."""
+    directory = tmp_path_factory.mktemp("head")
+    params = eagle3.init_params(HEAD_CONFIG, jax.random.PRNGKey(1))
+    checkpoints.save_eagle3(directory, HEAD_CONFIG, params)
+    return directory, _Arrays(eagle3.named_leaves(params))
+
+
+HEAD_KEYS = st.sampled_from(["architectures", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                             "head_dim", "intermediate_size", "draft_vocab_size", "vocab_size", "rope_theta",
+                             "rms_norm_eps", "max_position_embeddings", "partial_rotary_factor", "eagle_config",
+                             "rope_scaling", "num_hidden_layers", "target_hidden_size"])
+
+
+@fuzz(120)
+@given(edits=st.lists(st.tuples(HEAD_KEYS, JSON_VALUES), min_size=1, max_size=2),
+       header=st.one_of(st.none(), header_edits(["fc.weight", "d2t", "t2d", "lm_head.weight", "norm.weight",
+                                                 "midlayer.self_attn.q_proj.weight"])))
+def test_eagle3_head(tmp_path_factory, head_source, edits, header):
+    source, arrays = head_source
+    directory = tmp_path_factory.mktemp("head-edit")
+    config = json.loads((source / "config.json").read_text())
+    for key, value in edits if header is None else ():  # one kind of damage per case
+        config[key] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    data = (source / "model.safetensors").read_bytes()
+    if header is not None:
+        data = _edit_header(data, *header)
+    (directory / "model.safetensors").write_bytes(data)
+    head = outcome("EAGLE-3 head", lambda: jaxspec.load(str(directory)), directory)
+    if head is not None:
+        assert isinstance(head.config, eagle3.Eagle3Config)
+        cfg = head.config
+        for field in ("dim", "num_heads", "num_kv_heads", "head_dim", "ffn_dim", "draft_vocab_size", "vocab_size",
+                      "max_position_embeddings", "rotary_dim"):
+            assert type(getattr(cfg, field)) is int and getattr(cfg, field) >= 1, field
+        assert math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0 and math.isfinite(cfg.norm_eps) and cfg.norm_eps > 0
+        _, unfused = checkpoints.load_eagle3(directory)
+        for name, want in arrays.items():
+            np.testing.assert_array_equal(np.asarray(eagle3.named_leaves(unfused)[name]), np.asarray(want), name)
+    shutil.rmtree(directory)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF headers: metadata and tensor infos (the tensor data itself is not checksummed by GGUF)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gguf_source(tmp_path_factory, ground_truth):
+    """A tiny GGUF (quantized tensors of several types, a loadable tokenizer), what it loads as,
+    and the byte ranges of its header's numeric fields."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fx, "TOKENS", _TOKENS)
+        mp.setattr(fx, "MERGES", ["t o", "to k"])
+        fx.write_gguf(path, ground_truth, CONFIG)
+    reader = gguf.GGUFReader(path)
+    base = np.lib.array_utils.byte_bounds(reader.data)[0]
+    fields = []  # (offset, width) of every fixed-size number in the header: counts, types, dims, offsets
+    for field in [*reader.fields.values(), *(t.field for t in reader.tensors)]:
+        for part in field.parts:
+            if part.dtype.kind in "iuf" and part.size == 1:
+                fields.append((int(np.lib.array_utils.byte_bounds(part)[0] - base), part.dtype.itemsize))
+    data_offset = min(t.data_offset for t in reader.tensors)
+    model = jaxspec.load(str(path), use_cache=False)
+    return path, model, sorted(fields), data_offset
+
+
+_TOKENS = ["<unk>", "<s>", "</s>", "t", "o", "k", "to", "tok", *"0123456789 "]
+_TOKENS += [f"x{i}" for i in range(CONFIG["vocab_size"] - len(_TOKENS))]
+
+
+@st.composite
+def gguf_edits(draw, fields, data_offset, size):
+    kind = draw(st.sampled_from(["field", "field", "field", "bytes", "truncate"]))
+    if kind == "field":
+        offset, width = draw(st.sampled_from(fields))
+        value = draw(st.one_of(st.sampled_from([0, 1, 2, 3, 4, 5, 8, 12, 30, 31, 32, 33, 2**31 - 1, 2**31, 2**32 - 1,
+                                                2**63, 2**64 - 1]), st.integers(0, 2 ** (8 * width) - 1)))
+        return kind, offset, (value % 2 ** (8 * width)).to_bytes(width, "little")
+    if kind == "bytes":
+        return kind, draw(st.integers(0, data_offset - 1)), bytes([draw(st.integers(0, 255))])
+    return kind, draw(st.integers(0, size - 1)), b""
+
+
+def test_gguf_headers(tmp_path_factory, gguf_source):
+    path, model, fields, data_offset = gguf_source
+    original = path.read_bytes()
+    cache = tmp_path_factory.mktemp("gguf-cache")
+
+    @fuzz(200)
+    @given(edit=gguf_edits(fields, data_offset, len(original)))
+    def case(edit):
+        kind, offset, new = edit
+        data = original[:offset] if kind == "truncate" else original[:offset] + new + original[offset + len(new):]
+        if data == original:
+            return
+        mutated = tmp_path_factory.mktemp("gguf-edit") / "edited.gguf"
+        mutated.write_bytes(data)
+        # Half the cases through the weight cache: a failed load must leave no entry behind.
+        use_cache = offset % 2 == 0
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("JAXSPEC_CACHE_DIR", str(cache))
+            loaded = outcome("GGUF header", lambda: jaxspec.load(str(mutated), use_cache=use_cache), mutated)
+            if loaded is None:
+                entries = list((cache / "params").glob(f"{checkpoints.file_sha256(mutated)}-*"))
+                assert not entries, f"a failed load left cache entries {entries}"
+        if loaded is not None:
+            assert_sane_config(loaded.config)
+            same_layout = (loaded.config.num_heads, loaded.config.num_kv_heads) == (model.config.num_heads,
+                                                                                     model.config.num_kv_heads)
+            if same_layout:  # else Q/K rows are un-permuted by other head counts: other, valid weights
+                for got, want in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(model.params), strict=True):
+                    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            if loaded.tokenizer is not None:
+                loaded.tokenizer.decode(loaded.tokenizer.encode("tok1 to k"))
+        mutated.unlink()
+
+    case()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer files
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer_source(tmp_path_factory) -> pathlib.Path:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    vocab = {token: i for i, token in enumerate(["<s>", "</s>", "t", "o", "k", "to", "tok", "Ġ", "a", "b"])}
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=[("t", "o"), ("to", "k")]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": "{% for m in messages %}{{ m['content'] }}"
+                                                                     "{% endfor %}"}))
+    assert Tokenizer.from_dir(directory).encode("tok") == [vocab["tok"]]
+    return directory
+
+
+@st.composite
+def tokenizer_edits(draw):
+    file_name = draw(st.sampled_from(["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                      "generation_config.json"]))
+    kind = draw(st.sampled_from(["bytes", "truncate", "value", "binary"]))
+    return file_name, kind, draw(st.data())
+
+
+def _json_paths(value, prefix=()):
+    yield prefix
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _json_paths(item, (*prefix, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value[:12]):
+            yield from _json_paths(item, (*prefix, i))
+
+
+@fuzz(120)
+@given(edit=tokenizer_edits())
+def test_tokenizer_files(tmp_path_factory, tokenizer_source, edit):
+    file_name, kind, draw = edit
+    directory = tmp_path_factory.mktemp("tok-edit")
+    for file in tokenizer_source.iterdir():
+        shutil.copy(file, directory / file.name)
+    target = directory / file_name
+    data = target.read_bytes() if target.exists() else b"{}"
+    if kind == "bytes":
+        raw = bytearray(data)
+        for _ in range(draw.draw(st.integers(1, 3))):
+            raw[draw.draw(st.integers(0, len(raw) - 1))] = draw.draw(st.integers(0, 255))
+        data = bytes(raw)
+    elif kind == "truncate":
+        data = data[: draw.draw(st.integers(0, len(data) - 1))]
+    elif kind == "binary":
+        data = draw.draw(st.binary(min_size=1, max_size=64))
+    else:  # one JSON value anywhere in the file replaced
+        document = json.loads(data)
+        path = draw.draw(st.sampled_from(list(_json_paths(document))))
+        replacement = draw.draw(st.one_of(JSON_VALUES, st.sampled_from(["a b c", "t", "zz yy", "to k", "\ud800"])))
+        if not path:
+            document = replacement
+        else:
+            holder = document
+            for key in path[:-1]:
+                holder = holder[key]
+            holder[path[-1]] = replacement
+        data = json.dumps(document).encode("utf-8", "surrogatepass")
+    target.write_bytes(data)
+    tokenizer = outcome("tokenizer files", lambda: Tokenizer.from_dir(directory), file_name)
+    if tokenizer is not None:
+        with _alarm():
+            ids = tokenizer.encode("tok ab to")
+            assert all(isinstance(t, int) for t in ids)
+            tokenizer.decode(ids)
+            outcome("tokenizer files (chat)", lambda: tokenizer.encode_chat("tok"))
+    shutil.rmtree(directory)
+
+
+# ---------------------------------------------------------------------------------------------
+# generate() arguments: checked by prepare(), before anything is traced
+# ---------------------------------------------------------------------------------------------
+
+WEIRD = st.one_of(
+    _EDGE_INTS, st.integers(), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
+    st.sampled_from([np.int64(4), np.int32(-1), np.uint8(3), np.float32(0.5), np.float64("nan"), np.bool_(True),
+                     np.array(3), np.array([0.5, 0.7]), "0.5", "4", "", "abc", b"4", 2**40, 2**64, -(2**70),
+                     1e300, (1, 2), [0.5], [0.5, 0.9], [], {}, object(), 1 + 2j, "q8_0", "f32", "q8_0,q5_1",
+                     ("q8_0", "q5_1"), "3,4,7", (3, 4, 7), "plain", "ngram", "draft", "eagle3", "mtp", "layer_skip",
+                     "reference", "pallas", "interpret", "sample", "argmax"]),
+    st.text(max_size=6))
+OPTION_NAMES = st.sampled_from(sorted(f.name for f in __import__("dataclasses").fields(jaxspec.GenerateOptions))
+                               + ["draft_params", "bogus"])
+PROMPTS = st.one_of(
+    st.text(max_size=12), st.text(alphabet=st.characters(categories=["Cs", "Co", "Cc", "Zs", "Ll"]), max_size=6),
+    st.binary(max_size=6), st.lists(st.integers(-3, 200), max_size=5), st.lists(st.booleans(), max_size=3),
+    st.lists(st.one_of(st.text(max_size=4), st.lists(st.integers(-1, 130), max_size=3)), max_size=3),
+    st.sampled_from([np.array([1, 2, 3]), np.array([[1, 2], [3, 4]]), np.array([1.5]), np.array([], np.int64),
+                     np.array([True]), [np.int64(5)], [[np.uint16(7)]], [1.0, 2.0], [[1, 2], []], [2**40],
+                     [[1, 2], "tok"], None, 5, "tok" * 80]))
+
+
+@pytest.fixture(scope="module")
+def request_models(gguf_source):
+    """A target with a tokenizer, and drafts of every kind (a draft model, a random EAGLE-3 head)."""
+    _, model, _, _ = gguf_source
+    head_config = eagle3.Eagle3Config(vocab_size=model.config.vocab_size, dim=model.config.dim, num_heads=4,
+                                      num_kv_heads=2, head_dim=8, ffn_dim=64, draft_vocab_size=16, rope_theta=10000.0,
+                                      rotary_dim=8, norm_eps=1e-5, max_position_embeddings=128)
+    head = Model(config=head_config, params=eagle3.init_params(head_config, jax.random.PRNGKey(0)))
+    return model, {"none": None, "self": model, "head": head, "junk": "draft.gguf"}
+
+
+@fuzz(300)
+@given(prompt=PROMPTS, options=st.dictionaries(OPTION_NAMES, WEIRD, max_size=4),
+       draft=st.sampled_from(["none", "self", "head", "junk"]))
+def test_generate_arguments(request_models, prompt, options, draft):
+    model, drafts = request_models
+    options = dict(options)
+    draft_params = options.pop("draft_params", drafts[draft])
+    prepared = outcome("generate arguments", lambda: prepare(model, prompt, draft_params, **options))
+    if prepared is not None:
+        # What prepare accepts is what runs: rows of in-vocabulary ints, options normalised to the
+        # Python types the compiled program is keyed on.
+        assert all(isinstance(t, int) and 0 <= t < model.config.vocab_size for row in prepared.rows for t in row)
+        hash(prepared.spec)
+        for name in ("num_draft_tokens", "max_new_tokens", "seed"):
+            assert type(getattr(prepared.options, name)) is int
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI flags: every bad value is one stderr line and exit status 2, before a model loads
+# ---------------------------------------------------------------------------------------------
+
+FLAG_VALUES = st.one_of(st.sampled_from(["0", "-1", "1", "2.5", "nan", "inf", "-inf", "1e400", str(2**70), "abc", "",
+                                         "q9", "q8_0,", ",", "3,4", "3,4,7", "0,0,0", "ngram", "eagle3",
+                                         "draft", "1,2,3,4", "\udcff", "--", "-k"]),
+                        st.text(max_size=5))
+GENERATE_FLAGS = st.sampled_from(["--max-new-tokens", "--temperature", "--top-p", "--top-k", "--min-p",
+                                  "--repetition-penalty", "--seed", "--method", "-k", "--tree", "--draft-sampling",
+                                  "--kv-format", "--attention", "--exit-layer", "--weight-format", "--stop"])
+
+
+@fuzz(150)
+@given(flags=st.lists(st.tuples(GENERATE_FLAGS, FLAG_VALUES), min_size=1, max_size=3))
+def test_cli_flags(capsys, monkeypatch, flags):
+    # Only what is refused before the model loads is exercised here: a load would mean a run.
+    def load(*args, **kwargs):
+        raise _Loaded
+
+    monkeypatch.setattr(cli.api, "load", load)
+    argv = ["generate", "tok", "--model", "tiny.gguf"] + [part for flag in flags for part in flag]
+    capsys.readouterr()
+    try:
+        with _alarm():
+            code = cli.main(argv)
+    except SystemExit as exit_:  # argparse: a usage error
+        code = exit_.code
+    except _Loaded:
+        OUTCOMES["CLI flags", "reached load"] += 1
+        return
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_BAD_INPUT, (argv, code, err)
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, (argv, err)
+    OUTCOMES["CLI flags", "exit 2"] += 1
+
+
+class _Loaded(Exception):
+    """Raised by the stand-in loader: the flags passed every check before the model load."""
