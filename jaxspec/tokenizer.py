@@ -327,17 +327,20 @@ class Tokenizer:
             except CheckpointError as e:
                 raise CheckpointError(f"{template_file}: {e}") from None
 
-        return cls(
-            hf,
-            bos_token_id=bos_id,
-            eos_token_id=eos_id,
-            extra_eos_token_ids=generation_eos,
-            pad_token_id=special_id("pad"),
-            unk_token_id=special_id("unk"),
-            add_bos=_adds_token(hf, config.get("add_bos_token"), bos_id, first=True),
-            add_eos=_adds_token(hf, config.get("add_eos_token"), eos_id, first=False),
-            chat_template=chat_template,
-        )
+        try:  # the ids the files name are checked against the vocabulary there
+            return cls(
+                hf,
+                bos_token_id=bos_id,
+                eos_token_id=eos_id,
+                extra_eos_token_ids=generation_eos,
+                pad_token_id=special_id("pad"),
+                unk_token_id=special_id("unk"),
+                add_bos=_adds_token(hf, config.get("add_bos_token"), bos_id, first=True),
+                add_eos=_adds_token(hf, config.get("add_eos_token"), eos_id, first=False),
+                chat_template=chat_template,
+            )
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write tokenizer.json + tokenizer_config.json, so that `from_dir(path)` gives this back."""

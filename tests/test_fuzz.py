@@ -20,6 +20,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import struct
@@ -223,6 +224,39 @@ def test_config_values(tmp_path_factory, ground_truth, config):
     if outcome("config.json", lambda: jaxspec.load(str(directory), use_cache=False), directory) is not None:
         assert_loaded_what_the_file_holds(checkpoints.load_checkpoint(directory, use_cache=False), ground_truth)
     shutil.rmtree(directory)
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    (dict(hidden_size="abc"), "expected an integer, got 'abc'"),
+    (dict(hidden_size="32"), "expected an integer, got '32'"),  # int() would take it
+    (dict(intermediate_size=64.5), "expected an integer, got 64.5"),  # int() would truncate it
+    (dict(eos_token_id=2.5), "expected an integer, got 2.5"),
+    (dict(eos_token_id=[2, True]), "expected an integer, got True"),
+    (dict(eos_token_id=500), "eos_token_id=500 is not a token id of the 128-token vocabulary"),
+    (dict(bos_token_id=-1), "bos_token_id=-1 is not a token id"),
+    (dict(num_attention_heads=0), "ZeroDivisionError"),
+    (dict(num_hidden_layers=10**9), "num_hidden_layers is 1000000000 but the file holds tensors for layers 0..1"),
+    (dict(num_hidden_layers=1), "num_hidden_layers is 1 but the file holds tensors for layers 0..1"),
+    (dict(rope_theta=float("nan")), "rope_theta=nan must be a finite number > 0"),
+    (dict(rms_norm_eps=0.0), "norm_eps=0.0 must be a finite number > 0"),
+    (dict(max_position_embeddings=0), "max_position_embeddings=0 must be >= 1"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
+    (dict(tie_word_embeddings=True), "the file contradicts its config"),  # an untied file's head would be dropped
+    (dict(rope_scaling=1), "wrong type or range"),
+    (dict(model_type=None), "model_type None is not supported"),
+])
+def test_issue_config_examples_are_named(tmp_path, ground_truth, change, needle):
+    """The config examples issue 19 lists, each a JaxspecError naming config.json and the problem."""
+    write_hf_dir(tmp_path, {**CONFIG, **change}, ground_truth)
+    with pytest.raises(JaxspecError, match=re.escape(needle)) as error:
+        jaxspec.load(str(tmp_path), use_cache=False)
+    assert str(tmp_path / "config.json") in str(error.value)
+
+
+def test_a_config_that_is_not_an_object_is_named(tmp_path, ground_truth):
+    write_hf_dir(tmp_path, [], ground_truth)
+    with pytest.raises(JaxspecError, match=re.escape(f"{tmp_path / 'config.json'} is not a JSON object")):
+        jaxspec.load(str(tmp_path), use_cache=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,7 +587,7 @@ def test_tokenizer_files(tmp_path_factory, tokenizer_source, edit):
             holder[path[-1]] = replacement
         data = json.dumps(document).encode("utf-8", "surrogatepass")
     target.write_bytes(data)
-    tokenizer = outcome("tokenizer files", lambda: Tokenizer.from_dir(directory), file_name)
+    tokenizer = outcome("tokenizer files", lambda: Tokenizer.from_dir(directory), file_name, directory)
     if tokenizer is not None:
         with _alarm():
             ids = tokenizer.encode("tok ab to")

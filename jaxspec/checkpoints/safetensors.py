@@ -9,6 +9,7 @@ unpickles: a directory holding only `pytorch_model*.bin` is refused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import pathlib
@@ -195,4 +196,17 @@ def load_hf_dir(directory: pathlib.Path, *, progress: bool = False) -> tuple[Any
         reader = SafetensorsReader(files, stack)
         params = assemble_params(family.param_shapes(cfg), tensors, reader.read, available=files,
                                  source="HF checkpoint", path=directory, progress=progress)
+        # A tied model reads its head from the embedding, as transformers does. A stored lm_head that
+        # is not the embedding means the file contradicts its config (a tie flag turned on over an
+        # untied checkpoint): refused, where transformers would silently drop the trained head.
+        if getattr(cfg, "tie_embeddings", False):  # the name an untied config of this family reads
+            untied = family.hf_tensors(dataclasses.replace(cfg, tie_embeddings=False),
+                                       hf_prefix(family, files, directory))
+            head_name = untied.lm_head.name
+        if getattr(cfg, "tie_embeddings", False) and head_name in files:
+            head = reader.read(head_name)
+            if head.shape != params.embed.shape or not np.array_equal(head, params.embed):
+                raise CheckpointError(
+                    f"{directory / HF_CONFIG} ties the embeddings (tie_word_embeddings) but {files[head_name]} "
+                    f"holds a {head_name} that differs from the embedding: the file contradicts its config")
     return cfg, params
