@@ -39,6 +39,7 @@ from jaxspec import checkpoints, cli
 from jaxspec.api import Model, prepare
 from jaxspec.errors import JaxspecError
 from jaxspec.models import eagle3
+from jaxspec.spec import loop
 from jaxspec.tokenizer import Tokenizer
 
 _WIDE_RUN = int(os.environ.get("JAXSPEC_FUZZ_EXAMPLES", "0"))
@@ -101,7 +102,7 @@ def outcome(test: str, call, *named):
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-              max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+              max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
               tie_word_embeddings=False, torch_dtype="float32")
 
 
@@ -646,6 +647,11 @@ def test_generate_arguments(request_models, prompt, options, draft):
         hash(prepared.spec)
         for name in ("num_draft_tokens", "max_new_tokens", "seed"):
             assert type(getattr(prepared.options, name)) is int
+        # And what prepare accepts traces: both programs, abstractly (no compile), so a request that
+        # would only fail inside jit (a head given to method='draft') cannot pass as accepted.
+        args = (model.params, prepared.speculation.draft_inputs(model))
+        state = jax.eval_shape(lambda: loop.prefill_jit(*args, prepared.request, spec=prepared.spec))
+        jax.eval_shape(lambda: loop.decode_jit(*args, state, prepared.request, spec=prepared.spec))
 
 
 # ---------------------------------------------------------------------------------------------
