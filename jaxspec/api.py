@@ -56,6 +56,9 @@ def load(name_or_path: str = DEFAULT_MODEL, *, weight_format: WeightFormat | str
     each (`layers.fuse_projections`).
     """
     weight_format = WeightFormat.parse(weight_format)
+    for flag_name, value in (("use_cache", use_cache), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"load's {flag_name} must be True or False; got {value!r:.40}")
     path = checkpoints.resolve_model(name_or_path)
     head = _load_head_dir(path, weight_format)
     if head is not None:

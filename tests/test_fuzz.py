@@ -37,6 +37,7 @@ import ckpt_fixtures as fx
 import jaxspec
 from jaxspec import checkpoints, cli
 from jaxspec.api import Model, prepare
+from jaxspec.checkpoints.resolve import KNOWN_NAMES
 from jaxspec.errors import JaxspecError
 from jaxspec.models import eagle3
 from jaxspec.spec import loop
@@ -652,6 +653,21 @@ def test_generate_arguments(request_models, prompt, options, draft):
         args = (model.params, prepared.speculation.draft_inputs(model))
         state = jax.eval_shape(lambda: loop.prefill_jit(*args, prepared.request, spec=prepared.spec))
         jax.eval_shape(lambda: loop.decode_jit(*args, state, prepared.request, spec=prepared.spec))
+
+
+NAMES = st.one_of(
+    st.text(max_size=20).filter(lambda t: t.strip().lower() not in KNOWN_NAMES),
+    st.binary(max_size=8), st.integers(), st.none(), st.floats(), st.lists(st.text(max_size=3), max_size=2),
+    st.sampled_from(["a" * 5000, "/dev/null", "/dev/zero", "/proc/self/mem", "/etc/passwd", "/etc", "/", "~",
+                     "..", "x\x00y", "\udcff", "model.safetensors", "pytorch_model.bin", "/nonexistent/x.gguf",
+                     pathlib.Path("/nonexistent"), pathlib.Path("/tmp")]))
+
+
+@fuzz(200)
+@given(name=NAMES, weight_format=st.one_of(st.just("auto"), WEIRD), use_cache=st.one_of(st.just(False), WEIRD))
+def test_load_names_and_flags(name, weight_format, use_cache):
+    """What jaxspec.load is handed in place of a model: none of it names one, so each is refused."""
+    assert outcome("load names", lambda: jaxspec.load(name, weight_format=weight_format, use_cache=use_cache)) is None
 
 
 # ---------------------------------------------------------------------------------------------

