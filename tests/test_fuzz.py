@@ -157,7 +157,8 @@ def assert_sane_config(cfg) -> None:
     assert cfg.num_heads % cfg.num_kv_heads == 0
     for field in ("rope_theta", "norm_eps"):
         value = getattr(cfg, field)
-        assert isinstance(value, float) and math.isfinite(value) and value > 0, (field, value)
+        assert isinstance(value, int | float) and not isinstance(value, bool), (field, value)
+        assert math.isfinite(value) and value > 0, (field, value)
     assert all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t for t in cfg.eos_token_ids)
 
 
@@ -516,6 +517,47 @@ def test_gguf_headers(tmp_path_factory, gguf_source):
         mutated.unlink()
 
     case()
+
+
+@pytest.fixture(scope="module")
+def converted_source(tmp_path_factory, gguf_source):
+    """The tiny GGUF converted to a jaxspec directory, and what it loads as."""
+    path, model, _, _ = gguf_source
+    out = tmp_path_factory.mktemp("converted") / "model"
+    checkpoints.convert(str(path), str(out))
+    return out, jaxspec.load(str(out))
+
+
+META_KEYS = st.sampled_from(["format", "format_version", "family", "config", "weight_format", "source"])
+
+
+@fuzz(100)
+@given(edit=st.one_of(st.tuples(st.just("top"), JSON_VALUES),
+                      st.tuples(META_KEYS, JSON_VALUES),
+                      st.tuples(st.just("config"), st.tuples(st.sampled_from(
+                          ["vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+                           "rope_theta", "rotary_dim", "norm_eps", "max_position_embeddings", "tie_embeddings",
+                           "eos_token_ids", "bos_token_id", "rope_scaling", "architecture"]), JSON_VALUES))))
+def test_converted_directory_metadata(tmp_path_factory, converted_source, edit):
+    source, model = converted_source
+    directory = tmp_path_factory.mktemp("conv-edit") / "model"
+    shutil.copytree(source, directory)
+    meta_path = directory / checkpoints.JAXSPEC_META
+    meta = json.loads(meta_path.read_text())
+    key, value = edit
+    if key == "top":
+        meta = value
+    elif key == "config" and isinstance(value, tuple):
+        meta["config"][value[0]] = value[1]
+    else:
+        meta[key] = value
+    meta_path.write_text(json.dumps(meta))
+    loaded = outcome("converted directory", lambda: jaxspec.load(str(directory)), directory)
+    if loaded is not None:
+        assert_sane_config(loaded.config)
+        for got, want in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(model.params), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    shutil.rmtree(directory.parent)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxspec import models
 from jaxspec.checkpoints import gguf as gguf_reader
-from jaxspec.checkpoints.assemble import Checkpoint, to_jax
+from jaxspec.checkpoints.assemble import Checkpoint, config_values_checked, to_jax
 from jaxspec.checkpoints.resolve import JAXSPEC_META
 from jaxspec.checkpoints.safetensors import read_json
 from jaxspec.errors import CheckpointError, JaxspecError
@@ -130,6 +130,12 @@ def restore_params(path: pathlib.Path, family: Family, cfg: Any,
     import orbax.checkpoint as ocp
 
     target = quant.shape_structs(family.param_shapes(cfg), weight_format)
+    stored = _stored_leaf_count(path)
+    if stored is not None and stored != len(jax.tree.leaves(target)):
+        # orbax restores the leaves asked for and ignores the rest: a config that lost a leaf (a
+        # tie flag turned on over stored untied params) would silently drop a stored array.
+        raise CheckpointError(f"{path} holds {stored} arrays where the {family.name} config implies "
+                              f"{len(jax.tree.leaves(target))}")
     # Restore to host numpy, then hand the buffers to jax without a copy (see to_jax).
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
     with _checkpointer() as checkpointer:
@@ -142,6 +148,17 @@ def restore_params(path: pathlib.Path, family: Family, cfg: Any,
             raise CheckpointError(f"{path} holds a {got.dtype}{list(got.shape)} array where "
                                   f"{want.dtype}{list(want.shape)} belongs")
     return to_jax(restored)
+
+
+def _stored_leaf_count(path: pathlib.Path) -> int | None:
+    """How many arrays an orbax PyTree checkpoint holds, from its _METADATA (None when unreadable:
+    the restore itself then decides)."""
+    try:
+        tree = json.loads((path / "_METADATA").read_text(encoding="utf-8"))["tree_metadata"]
+        return sum(1 for leaf in tree.values() if not leaf["value_metadata"].get("skip_deserialize", False)
+                   and leaf["value_metadata"].get("value_type") != "None")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def write_atomically(final: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
@@ -258,23 +275,31 @@ def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = Fa
                       source=path)
 
 
+def _read_meta(directory: pathlib.Path) -> dict[str, Any]:
+    meta = read_json(directory / JAXSPEC_META)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{directory / JAXSPEC_META} is not a JSON object")
+    return meta
+
+
 def converted_family(directory: pathlib.Path) -> tuple[Family, Any]:
     """(family, config) of a converted directory, its format version checked."""
-    meta = read_json(directory / JAXSPEC_META)
+    meta = _read_meta(directory)
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{directory / JAXSPEC_META} has format_version {meta.get('format_version')!r}; this jaxspec "
             f"reads {FORMAT_VERSION}")
-    family = models.family_named(meta.get("family", "llama"))
-    try:
-        return family, family.config_from_dict(meta["config"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{directory / JAXSPEC_META} holds no valid {family.name} config: {err!r}") from None
+    with config_values_checked(directory / JAXSPEC_META):  # a refusal names the file
+        family = models.family_named(meta.get("family", "llama"))
+        try:
+            return family, family.config_from_dict(meta["config"])
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as err:
+            raise CheckpointError(f"{directory / JAXSPEC_META} holds no valid {family.name} config: {err!r}") from None
 
 
 def converted_weight_format(directory: pathlib.Path) -> WeightFormat:
     """The weight format a converted directory stores its params in."""
-    name = read_json(directory / JAXSPEC_META).get("weight_format", WeightFormat.F32.value)
+    name = _read_meta(directory).get("weight_format", WeightFormat.F32.value)
     try:
         return WeightFormat.parse(name).resolve("cpu")
     except JaxspecError:

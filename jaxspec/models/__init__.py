@@ -54,7 +54,7 @@ def family_of(cfg: Any) -> Family:
 def family_named(name: str) -> Family:
     try:
         return FAMILIES[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable name (a list read from a file)
         raise UnsupportedModelError(f"model family {name!r} is not known; jaxspec has {sorted(FAMILIES)}") from None
 
 
@@ -62,7 +62,7 @@ def family_for_hf(hf: Mapping[str, Any]) -> Family:
     """The family that claims an HF config.json's `model_type`."""
     model_type = hf.get("model_type")
     for family in FAMILIES.values():
-        if model_type in family.hf_model_types:
+        if isinstance(model_type, str) and model_type in family.hf_model_types:
             return family
     supported = sorted(t for family in FAMILIES.values() for t in family.hf_model_types)
     raise UnsupportedModelError(f"model_type {model_type!r} is not supported; jaxspec reads {supported}")
