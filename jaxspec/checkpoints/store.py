@@ -134,8 +134,8 @@ def restore_params(path: pathlib.Path, family: Family, cfg: Any,
     if stored is not None and stored != len(jax.tree.leaves(target)):
         # orbax restores the leaves asked for and ignores the rest: a config that lost a leaf (a
         # tie flag turned on over stored untied params) would silently drop a stored array.
-        raise CheckpointError(f"{path} holds {stored} arrays where the {family.name} config implies "
-                              f"{len(jax.tree.leaves(target))}")
+        raise CheckpointError(f"{path} holds a params tree of another structure than the {family.name} config "
+                              f"implies ({stored} arrays where it implies {len(jax.tree.leaves(target))})")
     # Restore to host numpy, then hand the buffers to jax without a copy (see to_jax).
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
     with _checkpointer() as checkpointer:
