@@ -1,10 +1,12 @@
-"""Hostile input, property-based (issue 19): configs, GGUF and safetensors headers, shard indexes,
-tokenizer files, generate() arguments and CLI flags, each mutated by hypothesis.
+"""Hostile input, property-based (issue 19): config.json values, safetensors headers, shard
+indexes, GGUF headers, EAGLE-3 head directories, converted-directory metadata, tokenizer files,
+`jaxspec.load` names, generate() arguments and CLI flags, each mutated by hypothesis.
 
 Every case must end in one of two ways: a `JaxspecError` with a message, or a correct result. Any
 other exception, a hang (each case runs under a 20 s alarm) or a load that "succeeds" with values
-the file does not hold fails the test. What counts as correct is checked against ground truth the
-fixtures keep (the weights they wrote, byte for byte), never against jaxspec's own readers.
+the file does not hold fails the test. What counts as correct: for HF directories and heads, the
+arrays the fixtures wrote, byte for byte; for a mutated GGUF or converted directory, the params of
+the unmutated file (whose GGUF reading tests/test_gguf.py checks against gguf's own quants).
 
 CI runs a fixed, derandomized set of examples (the suite's budget). For a wider run, set
 JAXSPEC_FUZZ_EXAMPLES=N (random seeds, N examples per test) and JAXSPEC_FUZZ_REPORT=FILE to get
