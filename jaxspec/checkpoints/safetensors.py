@@ -199,13 +199,11 @@ def load_hf_dir(directory: pathlib.Path, *, progress: bool = False) -> tuple[Any
         # A tied model reads its head from the embedding, as transformers does. A stored lm_head that
         # is not the embedding means the file contradicts its config (a tie flag turned on over an
         # untied checkpoint): refused, where transformers would silently drop the trained head.
-        if getattr(cfg, "tie_embeddings", False):  # the name an untied config of this family reads
-            untied = family.hf_tensors(dataclasses.replace(cfg, tie_embeddings=False),
-                                       hf_prefix(family, files, directory))
-            head_name = untied.lm_head.name
-        if getattr(cfg, "tie_embeddings", False) and head_name in files:
-            head = reader.read(head_name)
-            if head.shape != params.embed.shape or not np.array_equal(head, params.embed):
+        if getattr(cfg, "tie_embeddings", False):
+            # The head's name is the one an untied config of this family reads.
+            head_name = family.hf_tensors(dataclasses.replace(cfg, tie_embeddings=False),
+                                          hf_prefix(family, files, directory)).lm_head.name
+            if head_name in files and not np.array_equal(reader.read(head_name), params.embed):
                 raise CheckpointError(
                     f"{directory / HF_CONFIG} ties the embeddings (tie_word_embeddings) but {files[head_name]} "
                     f"holds a {head_name} that differs from the embedding: the file contradicts its config")
