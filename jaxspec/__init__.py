@@ -11,15 +11,17 @@ from jaxspec.api import (DEFAULT_MODEL, GenerateResult, Model, SpecStats, Stream
 from jaxspec.compilation import set_compile_notices
 from jaxspec.config import Architecture, ModelConfig
 from jaxspec.errors import CheckpointError, InvalidRequestError, JaxspecError, UnsupportedModelError
-from jaxspec.model import convert_weights
+from jaxspec.model import convert_weights, shard
 from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
 from jaxspec.score import ScoreResult, score
+from jaxspec.sharding import ShardingError, make_mesh
 from jaxspec.spec.methods import Method
 from jaxspec.spec.tree import DraftTree
 
 __all__ = [
     "DEFAULT_MODEL", "Architecture", "CheckpointError", "DraftTree", "GenerateOptions", "GenerateResult", "InvalidRequestError",
-    "JaxspecError", "Method", "Model", "ModelConfig", "ScoreResult", "SpecStats", "Stream", "UnsupportedModelError",
-    "WeightFormat", "convert_weights", "generate", "layer_skip", "load", "load_mtp", "prepare", "score", "set_compile_notices", "stream",
+    "JaxspecError", "Method", "Model", "ModelConfig", "ScoreResult", "ShardingError", "SpecStats", "Stream",
+    "UnsupportedModelError", "WeightFormat", "convert_weights", "generate", "layer_skip", "load", "load_mtp", "make_mesh",
+    "prepare", "score", "set_compile_notices", "shard", "stream",
 ]

@@ -23,12 +23,13 @@ from jaxspec import checkpoints, compilation
 from jaxspec.cache import KVFormat
 from jaxspec.config import ModelConfig
 from jaxspec.errors import InvalidRequestError, check_text, is_integer
-from jaxspec.model import Model, layer_skip, lm_head_of, with_weight_format
+from jaxspec.model import Model, layer_skip, lm_head_of, on_mesh_of, with_weight_format
 from jaxspec.models import quant
 from jaxspec.models.layers import fuse_projections
 from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
 from jaxspec.sampling import SamplingParams
+from jaxspec.sharding import Plan, to_host
 from jaxspec.spec import loop
 from jaxspec.spec.methods import Method, Speculation, build
 from jaxspec.tokenizer import Tokenizer
@@ -252,13 +253,15 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _check_cache_fits(cfg, kv_format: KVFormat | None, batch: int, capacity: int) -> None:
+def _check_cache_fits(cfg, kv_format: KVFormat | None, batch: int, capacity: int, plan: Plan | None = None) -> None:
     """Refuse a request whose target KV cache alone exceeds the memory it would be allocated in:
     a long context and a large max_new_tokens would otherwise fail (or take the machine down)
-    deep inside the compiled program."""
+    deep inside the compiled program. On a mesh, what one device holds of it."""
     kv_format = kv_format or KVFormat()
     attention_layers = len(getattr(cfg, "attention_layers", range(cfg.num_layers)))
     needed = batch * capacity * kv_format.bytes_per_token(cfg) // cfg.num_layers * attention_layers
+    if plan is not None:
+        needed //= plan.data_size * plan.axis_size("kv_heads")
     available = memory_bytes()
     if needed > available:
         raise InvalidRequestError(
@@ -285,7 +288,8 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     if method is Method.MTP and draft_params is None:  # the head the target's own checkpoint carries
         draft_params = load_mtp(model)
     if isinstance(draft_params, Model):
-        draft_params = with_weight_format(draft_params, model)
+        draft_params = on_mesh_of(with_weight_format(draft_params, model), model)
+    plan = model.sharding
     sampler = options.sampler
     speculation = build(method, model, draft_params, options.draft_options, sampler)
     k = speculation.num_draft
@@ -308,7 +312,9 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
                 f"context of {context} tokens")
     stop_token_ids, stop_sequences = _stop_ids_and_sequences(model, options)
 
-    batch = len(rows)
+    # On a mesh the batch is padded to whole "data" shards with one-token rows that end at once.
+    data_rows = 1 if plan is None else plan.data_size
+    batch = -(-len(rows) // data_rows) * data_rows
     stop_ids = np.full((_bucket(len(stop_token_ids), MIN_STOP_IDS_BUCKET),), -1, np.int32)  # -1 never matches
     stop_ids[: len(stop_token_ids)] = stop_token_ids
     prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
@@ -316,18 +322,21 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     # the new tokens plus a round's width, not a power of two of the sum (1024 + 132 would become 2048).
     capacity = min(prompt_bucket + _bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET) + round_width - 1,
                    cfg.max_position_embeddings)
-    _check_cache_fits(cfg, options.kv_format, batch, capacity)
+    _check_cache_fits(cfg, options.kv_format, batch, capacity, plan)
     padded = np.zeros((batch, prompt_bucket), np.int32)
     for i, r in enumerate(rows):
         padded[i, : len(r)] = r
+    filler_rows = batch - len(rows)
     request = loop.Request(
         prompt=jnp.asarray(padded),
-        prompt_length=jnp.asarray([len(r) for r in rows], jnp.int32),
-        max_new_tokens=jnp.full((batch,), max_new_tokens, jnp.int32),
+        prompt_length=jnp.asarray([len(r) for r in rows] + [1] * filler_rows, jnp.int32),
+        max_new_tokens=jnp.asarray([max_new_tokens] * len(rows) + [1] * filler_rows, jnp.int32),
         sampling=SamplingParams.create(batch, **options.sampling_values),
         key=jax.random.PRNGKey(options.seed),
         stop_token_ids=jnp.asarray(stop_ids),
     )
+    if plan is not None:
+        request = _placed(request, plan)
     spec = loop.LoopSpec(
         cfg=cfg,
         capacity=capacity,
@@ -337,8 +346,23 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
         kv_format=options.kv_format,
         attention=options.attention.value,
         token_lanes=lanes,
+        sharding=plan,
+        draft_sharding=draft_params.sharding if isinstance(draft_params, Model) else None,
     )
     return Prepared(rows=rows, request=request, spec=spec, speculation=speculation, options=options)
+
+
+def _placed(request: loop.Request, plan: Plan) -> loop.Request:
+    """The request on the plan's mesh: per-row arrays by rows over "data", the key and the stop
+    ids on every device. From host copies, so every process of a multi-host mesh places the
+    same values."""
+    host = to_host(request)
+    per_row = (host.prompt, host.prompt_length, host.max_new_tokens, host.sampling)
+    prompt, prompt_length, max_new_tokens, sampling = jax.device_put(
+        per_row, jax.tree.map(lambda leaf: plan.rows(leaf.ndim), per_row))
+    key, stop_token_ids = jax.device_put((host.key, host.stop_token_ids), plan.replicated)
+    return loop.Request(prompt=prompt, prompt_length=prompt_length, max_new_tokens=max_new_tokens,
+                        sampling=sampling, key=key, stop_token_ids=stop_token_ids)
 
 
 def _cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> tuple[str, bool]:
@@ -348,18 +372,18 @@ def _cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> tuple[str, bool]:
 
 def _stats(prepared: Prepared, state: loop.DecodeState, *, prefill_seconds, decode_seconds,
            compile_seconds, rows) -> SpecStats:
-    counters = jax.device_get(state.stats)
+    counters, num_generated, target_forwards = to_host((state.stats, state.num_generated, state.target_forwards))
     proposed_at, accepted_at = counters.proposed_at, counters.accepted_at
     return SpecStats(
         method=prepared.speculation.method.value,
         num_draft_tokens=prepared.spec.num_draft,
         rows=rows,
         prompt_tokens=sum(len(r) for r in prepared.rows[:rows]),
-        new_tokens=int(np.asarray(state.num_generated)[:rows].sum()),
+        new_tokens=int(num_generated[:rows].sum()),
         prefill_seconds=prefill_seconds,
         decode_seconds=decode_seconds,
         compile_seconds=compile_seconds,
-        target_forwards=int(state.target_forwards),
+        target_forwards=int(target_forwards),
         rounds=int(counters.rounds.sum()),
         proposed=int(counters.proposed.sum()),
         accepted=int(counters.accepted.sum()),
@@ -426,7 +450,7 @@ def generate(model: Model, draft_params: Model | None = None,
         lambda: loop.decode_jit(*args, state, prepared.request, spec=spec), f"decode loop [{prepared.shape_summary}]")
 
     rows = len(prepared.rows)
-    reasons = [loop.FINISH_NAMES[int(r)] for r in np.asarray(state.finish_reason)]
+    reasons = [loop.FINISH_NAMES[int(r)] for r in to_host(state.finish_reason)[:rows]]
     stats = _stats(prepared, state, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
                    compile_seconds=compile_prefill + compile_decode, rows=rows)
     return _finish(model, prepared, loop.generated_tokens(state, rows), reasons, stats)
@@ -467,10 +491,11 @@ class Stream:
                 lambda: loop.stream_step_jit(*args, state, request, spec=spec),
                 f"decode round [{prepared.shape_summary}]")
             decode_seconds, compile_seconds = decode_seconds + seconds, compile_seconds + compiling
-            committed = jax.device_get(committed)  # k + 1 tokens, not the [1, S] history
+            committed = to_host(committed)  # k + 1 tokens, not the [1, S] history
             return state, committed.tokens[0, : committed.count[0]].tolist(), bool(committed.running[0])
 
-        new, running = [int(state.pending[0])], bool(state.running[0])
+        pending, running = to_host((state.pending, state.running))
+        new, running = [int(pending[0])], bool(running[0])
         if running:
             # The first round runs (compiling its program) before any text is shown, so both
             # programs' compile notices come before the answer instead of inside its first line.
@@ -494,7 +519,7 @@ class Stream:
             unsent += decoder.flush()  # a trailing incomplete character, if generation ended mid-way
         if unsent:
             yield unsent
-        reasons = ["stop" if stopped_by_string else loop.FINISH_NAMES[int(state.finish_reason[0])]]
+        reasons = ["stop" if stopped_by_string else loop.FINISH_NAMES[int(to_host(state.finish_reason)[0])]]
         stats = _stats(prepared, state, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
                        compile_seconds=compile_seconds, rows=1)
         self.result = _finish(model, prepared, [generated], reasons, stats)

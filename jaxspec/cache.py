@@ -42,6 +42,11 @@ from jaxspec.pallas.kv_quant import Format, Packed
 KV_AXES = ("batch", "kv_heads", "kv_seq", "head_dim")
 
 
+def kv_axes(buffers: tuple[Packed, ...]) -> tuple:
+    """Per-layer K or V buffers (any format) with each leaf replaced by KV_AXES."""
+    return jax.tree.map(lambda _: KV_AXES, buffers)
+
+
 class StateRollbackError(JaxspecError):
     """A cache was asked for a length it cannot serve: behind what it can roll back to, or past
     what the last forward wrote (for a recurrent state), or outside [0, capacity]."""
@@ -148,6 +153,10 @@ class KVCache:
     def kv_format(self) -> KVFormat:
         return KVFormat(kv_quant.format_of(self.keys[0]), kv_quant.format_of(self.values[0]))
 
+    def logical_axes(self) -> "KVCache":
+        """This cache with every array replaced by its logical axes (what jaxspec.sharding lays out)."""
+        return self.replace(keys=kv_axes(self.keys), values=kv_axes(self.values), length=("batch",))
+
     @property
     def batch(self) -> int:
         return self.length.shape[0]
@@ -218,10 +227,14 @@ def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Arr
     A scatter with mode="drop": a write past the capacity is discarded, never clamped onto
     valid entries (dynamic_update_slice would clamp and silently overwrite the row's tail).
     """
-    batch, steps = new.shape[:2]
-    rows = jnp.arange(batch)[:, None]  # [B, 1]
-    cols = offsets[:, None] + jnp.arange(steps)[None, :]  # [B, T]
-    return buffer.at[rows, :, cols].set(new.astype(buffer.dtype), mode="drop")
+    steps = new.shape[1]
+
+    # Per row (vmapped: the scatter's batch dimension is explicit, so a mesh partitions it by rows
+    # with no gather of the other rows' updates).
+    def write_row(row: jax.Array, update: jax.Array, offset: jax.Array) -> jax.Array:  # [K, S, H] <- [T, K, H]
+        return row.at[:, offset + jnp.arange(steps)].set(update.swapaxes(0, 1).astype(row.dtype), mode="drop")
+
+    return jax.vmap(write_row)(buffer, new, offsets)
 
 
 def write_kv(buffer: Packed, new: jax.Array, offsets: jax.Array, quantize=kv_quant.quantize_reference) -> Packed:

@@ -16,6 +16,7 @@ import jax
 from jaxspec.errors import InvalidRequestError, is_integer
 from jaxspec.models import layers, quant
 from jaxspec.models.quant import WeightFormat
+from jaxspec.sharding import Plan, ShardingError, place_params, plan_for, repeat_kv_heads
 from jaxspec.tokenizer import Tokenizer
 
 
@@ -31,6 +32,24 @@ class Model:
     # The weight format asked for at load: a concrete one, or AUTO (a draft in AUTO runs in its
     # target's format, `with_weight_format`). The params' own format is `quant.format_of(params)`.
     weight_format: WeightFormat = WeightFormat.AUTO
+    # Where the params lie over a device mesh (`jaxspec.shard`); None: one device.
+    sharding: Plan | None = None
+
+
+def shard(model: Model, mesh, rules=None) -> Model:
+    """`model` with its params laid out over `mesh` (a `jax.sharding.Mesh`, e.g.
+    `jaxspec.make_mesh(data=2, model=4)`) by logical-axis `rules` (jaxspec.sharding.DEFAULT_RULES:
+    heads, kv heads, the MLP and the vocabulary over "model"; batch rows over "data"). `generate`
+    follows the params: its caches and loop state are created sharded and the whole loop is one
+    SPMD program. A draft passed beside a sharded target is sharded the same way. Kv heads that
+    do not divide the model axis are repeated up to a multiple of it (the returned Model's config
+    says the repeated count; the outputs are the same); any other misfit raises ShardingError
+    before anything compiles."""
+    if not isinstance(model, Model):
+        raise InvalidRequestError(f"shard takes a jaxspec Model (from jaxspec.load); got {type(model).__name__}")
+    plan = plan_for(model.config, mesh, rules)
+    config, params = repeat_kv_heads(model.config, model.params, plan.kv_repeats)
+    return dataclasses.replace(model, config=config, params=place_params(params, plan), sharding=plan)
 
 
 def layer_skip(model: Model, exit_layer: int) -> Model:
@@ -42,7 +61,8 @@ def layer_skip(model: Model, exit_layer: int) -> Model:
     params = dataclasses.replace(model.params, layers=model.params.layers[:exit_layer])
     config = dataclasses.replace(model.config, num_layers=int(exit_layer))
     return Model(config=config, params=params, tokenizer=model.tokenizer,
-                 source=f"layer_skip({model.source}, exit_layer={exit_layer})", exit_layer=int(exit_layer))
+                 source=f"layer_skip({model.source}, exit_layer={exit_layer})", exit_layer=int(exit_layer),
+                 sharding=model.sharding)
 
 
 def lm_head_of(model: Model) -> jax.Array:
@@ -67,10 +87,36 @@ def with_weight_format(draft: Model, target: Model) -> Model:
     return converted[fmt]
 
 
+# Drafts laid out on a target's mesh, kept per draft Model like _CONVERTED_DRAFTS.
+_PLACED_DRAFTS: "weakref.WeakKeyDictionary[Model, dict[Plan, Model]]" = weakref.WeakKeyDictionary()
+
+
+def on_mesh_of(draft: Model, target: Model) -> Model:
+    """The draft laid out beside `target`: unchanged when the target is on one device or the
+    draft is already on the target's mesh; sharded by the target's rules (placed once, then
+    reused) when it is on one device. A draft on another mesh is refused."""
+    plan = target.sharding
+    if plan is None and draft.sharding is None:
+        return draft
+    if plan is None or (draft.sharding is not None and draft.sharding.mesh != plan.mesh):
+        raise ShardingError(
+            "the draft and the target must lie on the same mesh: shard both with one mesh (or shard only the "
+            f"target, and the draft follows); target: {plan or 'one device'}, draft: {draft.sharding or 'one device'}")
+    if draft.sharding is not None:
+        return draft
+    placed = _PLACED_DRAFTS.setdefault(draft, {})
+    if plan not in placed:
+        placed[plan] = shard(draft, plan.mesh, plan.rules_for_another_model())
+    return placed[plan]
+
+
 def convert_weights(model: Model, weight_format: WeightFormat | str) -> Model:
     """`model` with its linear weights in `weight_format` ("f32", "bf16", "int8"; "auto" is
     this platform's) and q/k/v, gate/up fused (`layers.fuse_projections`), as `load` gives
     them. Converting to int8 and back to f32 keeps int8's rounding."""
     fmt = WeightFormat.parse(weight_format)
     params = layers.fuse_projections(quant.convert(model.params, fmt))
-    return dataclasses.replace(model, params=params, weight_format=fmt)
+    converted = dataclasses.replace(model, params=params, weight_format=fmt)
+    if model.sharding is not None:  # back onto the mesh, unfused where split
+        converted = dataclasses.replace(converted, params=place_params(params, model.sharding))
+    return converted

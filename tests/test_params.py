@@ -20,7 +20,9 @@ from jaxspec.checkpoints import store
 from tests.conftest import HYBRID_CONFIG, LLAMA_CONFIGS
 from jaxspec.errors import CheckpointError, InvalidRequestError
 from jaxspec.models import eagle3, llama, mtp, qwen35
+from jaxspec.models.layers import fuse_projections
 from jaxspec.models.params import is_axes, logical_axes
+from jaxspec.sharding import DEFAULT_RULES
 
 QWEN35 = dataclasses.replace(HYBRID_CONFIG, tie_embeddings=True)
 TRUNKS = {**LLAMA_CONFIGS, "qwen3_5-hybrid": QWEN35}
@@ -28,7 +30,8 @@ EAGLE3 = eagle3.Eagle3Config(dim=16, num_heads=2, num_kv_heads=1, head_dim=8, ff
                              vocab_size=32, rope_theta=10000.0, rotary_dim=8, norm_eps=1e-5,
                              max_position_embeddings=64)
 MTP = mtp.MtpConfig(block=dataclasses.replace(LLAMA_CONFIGS["qwen3-qknorm"], num_layers=1))
-AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "ffn", None, "linear_heads", "linear_channels"}
+# Every logical name a param carries has a sharding rule (jaxspec.sharding), so a mesh can place it.
+AXIS_NAMES = set(DEFAULT_RULES) | {None}
 
 
 def _init(name: str):
@@ -41,8 +44,10 @@ def _init(name: str):
     return (qwen35.init_params if isinstance(cfg, qwen35.Qwen35Config) else llama.init_params)(cfg, key)
 
 
-@pytest.fixture(scope="module", params=[*sorted(TRUNKS), "eagle3-head", "mtp-head"])
+@pytest.fixture(scope="module", params=[*sorted(TRUNKS), "eagle3-head", "mtp-head", "llama-untied-fused"])
 def case(request):
+    if request.param.endswith("-fused"):  # q/k/v and gate/up fused, as load gives them
+        return request.param, fuse_projections(_init(request.param.removesuffix("-fused")))
     return request.param, _init(request.param)  # tiny: built for real, not traced
 
 

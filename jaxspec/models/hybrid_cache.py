@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.cache import KVFormat, StateRollbackError
+from jaxspec.cache import KVFormat, StateRollbackError, kv_axes
 from jaxspec.models.gated_deltanet import chunk_end_state, conv_windows, heads_first
 from jaxspec.pallas import kv_quant
 from jaxspec.pallas.kv_quant import Packed
@@ -159,6 +159,13 @@ class Qwen35Cache:
     @property
     def batch(self) -> int:
         return self.length.shape[0]
+
+    def logical_axes(self) -> "Qwen35Cache":
+        """This cache (between rounds: nothing pending) with every array replaced by its logical
+        axes (what jaxspec.sharding lays out)."""
+        return self.replace(keys=kv_axes(self.keys), values=kv_axes(self.values),
+                            conv=tuple(CONV_AXES for _ in self.conv), ssm=tuple(SSM_AXES for _ in self.ssm),
+                            length=("batch",), oldest=("batch",), pending=None)
 
     @property
     def capacity(self) -> int:  # S

@@ -64,7 +64,7 @@ class MlpParams:
     gate_proj: Weight | None = param(axes=("ffn", "embed"), linear=True)  # [F, D]
     up_proj: Weight | None = param(axes=("ffn", "embed"), linear=True)  # [F, D]
     down_proj: Weight = param(axes=("embed", "ffn"), linear=True)  # [D, F]
-    gate_up_proj: Weight | None = param(axes=("ffn", "embed"), linear=True, default=None)  # [2F, D]: gate rows, then up
+    gate_up_proj: Weight | None = param(axes=("gate_up", "embed"), linear=True, default=None)  # [2F, D]: gate rows, then up
 
 
 @struct.dataclass

@@ -63,6 +63,8 @@ def logical_axes(tree: Any) -> Any:
             value = getattr(tree, field.name)
             if "axes" in field.metadata:
                 updates[field.name] = None if value is None else field.metadata["axes"]
+            elif not field.metadata.get("pytree_node", True):
+                continue  # static metadata (a fused projection's row counts): not an array
             else:
                 updates[field.name] = logical_axes(value)
         return dataclasses.replace(tree, **updates)

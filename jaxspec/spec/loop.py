@@ -30,6 +30,7 @@ from jaxspec import models
 from jaxspec.cache import Cache, KVFormat
 from jaxspec.config import ModelConfig
 from jaxspec.models.qwen35 import Qwen35Config
+from jaxspec.sharding import Plan, to_host
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, repeat_rows, select
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.proposers import Context, Prefill, Proposal, Proposer, Verified
@@ -59,6 +60,10 @@ class LoopSpec:
     # 1 for float32 weights; under int8 / bf16 every token then takes the same code path in a
     # step and in a verify, so its logits are bitwise the same in both.
     token_lanes: int = 1
+    # The target's layout over a device mesh (jaxspec.sharding.Plan), and the draft's; None: one
+    # device. With one, the loop state is pinned to the mesh after the prefill and every round.
+    sharding: Plan | None = None
+    draft_sharding: Plan | None = None
 
     @property
     def cache_options(self) -> dict:  # for models.create_cache: nothing unless asked (other trunks)
@@ -222,6 +227,25 @@ def _check_capacity(state: DecodeState, spec: LoopSpec) -> DecodeState:
     return state.replace(finish_reason=jnp.where(full, FINISH_CAPACITY, state.finish_reason))
 
 
+def _laid_out(state: DecodeState, spec: LoopSpec) -> DecodeState:
+    """The loop state pinned to the mesh (nothing on one device): the target's cache by its
+    logical axes (rows over "data", kv heads over "model"), per-row arrays by rows, the
+    proposer's state by the draft's plan. The while loop's carry then keeps one layout, which
+    XLA would otherwise pick by propagation (and may replicate, gathering to every device)."""
+    plan = spec.sharding
+    if plan is None:
+        return state
+    rows, stats = plan.constrain_rows, state.stats
+    return state.replace(
+        cache=plan.constrain(state.cache, state.cache.logical_axes()),
+        tokens=rows(state.tokens), prompt_length=rows(state.prompt_length), num_generated=rows(state.num_generated),
+        finish_reason=rows(state.finish_reason), seen=rows(state.seen),
+        proposer_state=(spec.draft_sharding or plan).constrain_state(state.proposer_state, state.num_generated.shape[0]),
+        stats=stats.replace(rounds=rows(stats.rounds), proposed=rows(stats.proposed), accepted=rows(stats.accepted),
+                            multi_token_rounds=rows(stats.multi_token_rounds)),
+    )
+
+
 def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
     """Run the prompts, sample each row's first token, set up the proposer and the loop state."""
     cfg = spec.cfg
@@ -261,7 +285,7 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
         target_forwards=jnp.zeros((), jnp.int32),
     )
     state = commit_tokens(state, first[:, None], jnp.ones((batch,), jnp.int32), request, spec)
-    return _check_capacity(state, spec)
+    return _laid_out(_check_capacity(state, spec), spec)
 
 
 def _count_round(stats: RoundStats, running: jax.Array, num_proposed: jax.Array, reach: jax.Array,
@@ -434,7 +458,7 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
         target_forwards=state.target_forwards + 1,
     )
     state = commit_tokens(state, outcome.committed, accepted + 1, request, spec)
-    return _check_capacity(state, spec)
+    return _laid_out(_check_capacity(state, spec), spec)
 
 
 @struct.dataclass
@@ -475,9 +499,9 @@ def run(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
 
 
 def generated_tokens(state: DecodeState, rows: int) -> list[list[int]]:
-    """Each of the first `rows` rows' generated ids, copied to the host."""
-    history = np.asarray(state.tokens)
-    starts, counts = np.asarray(state.prompt_length), np.asarray(state.num_generated)
+    """Each of the first `rows` rows' generated ids, copied to the host (gathered from every
+    process under a multi-host mesh)."""
+    history, starts, counts = to_host((state.tokens, state.prompt_length, state.num_generated))
     return [history[row, starts[row]: starts[row] + counts[row]].tolist() for row in range(rows)]
 
 

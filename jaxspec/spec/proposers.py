@@ -143,7 +143,7 @@ class PromptLookup:
         size = tokens.shape[1]
         matches = 1 if self.tree is None else min(self.tree.top_k, size)  # there are only S starts
         span = self.num_draft  # k, or the tree's depth
-        best, starts = jax.lax.top_k(self._match_scores(tokens, length), matches)  # [B, M]
+        best, starts = _top_per_row(self._match_scores(tokens, length), matches)  # [B, M]
         follow = starts + best // size  # [B, M]: the first token after each match
         at = follow[:, :, None] + jnp.arange(span)[None, None, :]  # [B, M, span]
         real = (best >= 0)[:, :, None] & (at < length[:, None, None])
@@ -153,6 +153,19 @@ class PromptLookup:
             return Proposal(drafts=continuations[:, 0], num_proposed=jnp.sum(real[:, 0], axis=1).astype(jnp.int32)), state
         drafts, parents, num_proposed = tree_lib.trie(continuations, real, self.tree.num_nodes)
         return Proposal(drafts=drafts, num_proposed=num_proposed, parents=parents), state
+
+
+def _top_per_row(scores: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` of each row of distinct scores int32[B, S] for a small `count`, as `count`
+    argmaxes: each is local to its row, so under a mesh the rows stay on their "data" shard
+    (XLA's partitioner gathers a top_k's whole [B, S] operand to every device). -> [B, count] x 2"""
+    best, where = [], []
+    for _ in range(count):
+        at = jnp.argmax(scores, axis=1).astype(jnp.int32)  # [B]
+        best.append(jnp.take_along_axis(scores, at[:, None], axis=1)[:, 0])
+        where.append(at)
+        scores = scores.at[jnp.arange(scores.shape[0]), at].set(jnp.iinfo(jnp.int32).min)
+    return jnp.stack(best, axis=1), jnp.stack(where, axis=1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

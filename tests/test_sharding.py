@@ -1,0 +1,168 @@
+"""Generation over a device mesh (jaxspec.shard): the same tokens as one device, params and caches
+really split, one SPMD loop with no host callback and no gather of the history or the cache,
+and bad meshes refused by name before anything compiles.
+
+The multi-device checks run in one subprocess with 8 CPU devices (tests/sharding_worker.py;
+the device count is fixed when jax starts); the checks that need no second device run here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import sharding
+from jaxspec.api import Model
+from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
+from jaxspec.models import llama, quant
+
+WORKER = Path(__file__).with_name("sharding_worker.py")
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_worker_sees_eight_devices(report):
+    assert report["devices"] == 8
+
+
+@pytest.mark.parametrize("case", ["plain", "ngram", "draft", "eagle3", "sampling_draft", "sampling_plain",
+                                  "tree_draft", "hybrid_ngram"])
+def test_tokens_are_identical_to_one_device(report, case):
+    runs = report["tokens"][case]
+    reference = runs.pop("unsharded")
+    assert runs, "the case ran on no mesh"
+    assert len(reference) == 3 and all(len(row) == 20 for row in reference)  # ragged prompts, every row full
+    assert len({tuple(row) for row in reference}) == 3  # rows differ: a row mix-up would show
+    for mesh, tokens in runs.items():
+        assert tokens == reference, f"{case} on mesh {mesh} differs from the unsharded run"
+
+
+def test_params_are_split_over_the_model_axis(report):
+    placement = report["placement"]
+    for mesh in ("2x4", "1x8"):
+        layer = placement[mesh]
+        assert layer["q_proj"] == layer["k_proj"] == layer["gate_proj"] == layer["embed"] == "P('model', None)"
+        assert layer["o_proj"] == layer["down_proj"] == "P(None, 'model')"  # row-parallel
+        assert not layer["fused"]  # q/k/v apart: a split of the fused rows would cut across them
+        assert layer["int8_embed_scales"] == "P('model',)"  # an int8 weight's scales follow its rows
+    # Bytes per device ~ total / model size: only norms (replicated) are on every device in full.
+    for mesh, model_size in (("2x4", 4), ("1x8", 8)):
+        held = placement[mesh]["params_bytes"]
+        assert held["max_per_device"] <= held["total"] / model_size * 1.05, (mesh, held)
+    # The hybrid's DeltaNet q/k/v projection and conv stack q, k and v along one "linear_channels"
+    # axis, which stays replicated (a split would cut across them); the rest splits.
+    held = placement["hybrid_2x4"]["params_bytes"]
+    assert held["total"] / 4 < held["max_per_device"] <= held["total"] / 3, held
+    assert placement["8x1"]["params_bytes"]["max_per_device"] == placement["8x1"]["params_bytes"]["total"]
+
+
+def test_kv_heads_that_do_not_divide_are_repeated(report):
+    # 4 kv heads on a model axis of 8: repeated to 8, so each device holds one (copies), and
+    # the tokens above stay identical.
+    assert report["placement"]["1x8"]["plan"].endswith("kv heads x2")
+    assert report["placement"]["1x8"]["params_bytes"]["total"] > report["placement"]["2x4"]["params_bytes"]["total"]
+    assert "kv heads" not in report["placement"]["2x4"]["plan"]
+
+
+def test_caches_and_loop_state_are_sharded(report):
+    loops = report["loops"]
+    assert loops["2x4"]["plain"]["cache_spec"] == "P('data', 'model')"  # [B, K, S, H]: rows, kv heads
+    assert loops["1x8"]["plain"]["cache_spec"] == "P(None, 'model')"
+    assert loops["8x1"]["plain"]["cache_spec"] == "P('data',)"
+    assert loops["2x4"]["plain"]["tokens_spec"] == "P('data',)"
+    assert loops["2x4"]["eagle3"]["proposer_cache_specs"] == ["P('data', 'model')"]  # the head's own KV
+    assert loops["2x4"]["hybrid_ngram"]["cache_spec"] == "P('data', 'model')"
+
+
+def test_the_loop_has_no_host_callback_and_gathers_no_history(report):
+    """One SPMD program: no custom call (a host callback is one), and no all-gather of anything
+    with the history's or the cache's length S (what is gathered is per-round: the vocabulary
+    shards' partial argmaxes, the rows' scatter indices)."""
+    checked = 0
+    for mesh, loops in report["loops"].items():
+        for name, compiled in loops.items():
+            assert compiled["custom_calls"] == [], (mesh, name, compiled["custom_calls"])
+            capacity = compiled["history_shape"][1]
+            for shape in compiled["all_gather_shapes"]:
+                dims = [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1])]
+                assert capacity not in dims, f"{mesh} {name} all-gathers {shape}: the history or a cache"
+            checked += 1
+    assert checked >= 7
+
+
+def test_bad_meshes_are_refused_by_name(report):
+    errors = report["errors"]
+    assert errors["heads_do_not_divide"].startswith("ShardingError: 6 heads")
+    assert "[1, 2]" not in errors["heads_do_not_divide"] and "rules={'heads': None}" in errors["heads_do_not_divide"]
+    assert "unknown logical axis name(s) ['experts']" in errors["unknown_rule"]
+    assert "'tensor' names no axis" in errors["rule_to_missing_axis"]
+    assert "names no axis of the mesh ('rows', 'cols')" in errors["unknown_mesh_axis"]
+    assert "needs 16 devices; 8 are visible" in errors["too_many_devices"]
+    assert "same mesh" in errors["draft_on_other_mesh"]
+
+
+def test_rules_can_replicate_attention(report):
+    assert report["replicated_attention"]["same_tokens"]
+    assert "heads" not in report["replicated_attention"]["plan"].split("split: ")[1].replace("kv heads", "")
+
+
+# --- on one device ---------------------------------------------------------------------------
+
+def test_repeated_kv_heads_are_the_same_function():
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=6, num_kv_heads=3, head_dim=8, ffn_dim=48,
+                      rotary_dim=8, attention_bias=True)
+    params = llama.init_params(cfg, jax.random.PRNGKey(0), scale=0.2)
+    tokens = jnp.asarray([[1, 5, 9, 2, 7, 3]], jnp.int32)
+
+    def logits(cfg, params):
+        out, _, _ = llama.forward(params, cfg, tokens, KVCache.create(cfg, 1, 8))
+        return np.asarray(out)
+
+    wide_cfg, wide = sharding.repeat_kv_heads(cfg, params, 2)
+    assert wide_cfg.num_kv_heads == 6 and wide.layers[0].attention.k_proj.shape == (48, 32)
+    np.testing.assert_array_equal(logits(wide_cfg, wide), logits(cfg, params))
+    int8 = quant.convert(params, "int8")
+    int8_cfg, int8_wide = sharding.repeat_kv_heads(cfg, int8, 2)
+    np.testing.assert_array_equal(logits(int8_cfg, int8_wide), logits(cfg, int8))
+
+
+def test_plan_checks_happen_before_anything_compiles(tiny_model):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with pytest.raises(sharding.ShardingError, match="needs a jax.sharding.Mesh"):
+        jaxspec.shard(tiny_model, {"data": 1})
+    with pytest.raises(sharding.ShardingError, match="rules must map"):
+        jaxspec.shard(tiny_model, mesh, rules=[("heads", "model")])
+    with pytest.raises(jaxspec.InvalidRequestError, match="shard takes a jaxspec Model"):
+        jaxspec.shard(tiny_model.params, mesh)
+    with pytest.raises(sharding.ShardingError, match="positive integer"):
+        jaxspec.make_mesh(data=0)
+    for bad in ("data=2,tensor=4", "data=two", "model=2,model=4", "data"):
+        with pytest.raises(sharding.ShardingError, match="--mesh takes"):
+            sharding.parse_mesh(bad)
+    assert sharding.parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
+
+
+def test_a_one_device_mesh_generates_what_no_mesh_does(tiny_model):
+    sharded = jaxspec.shard(tiny_model, jaxspec.make_mesh(1, 1))
+    prompts = [[5, 6, 7, 5, 6], [9, 10]]
+    plain = jaxspec.generate(tiny_model, None, prompts, max_new_tokens=8, method="ngram")
+    on_mesh = jaxspec.generate(sharded, None, prompts, max_new_tokens=8, method="ngram")
+    assert on_mesh.tokens == plain.tokens and on_mesh.finish_reason == plain.finish_reason
+    assert isinstance(sharded, Model) and sharded.sharding.mesh.shape == {"data": 1, "model": 1}
