@@ -247,7 +247,7 @@ def _stop_ids_and_sequences(model: Model,
 def memory_bytes() -> int:
     """The memory a KV cache can live in: the default device's (a GPU's bytes_limit), else the
     host's physical memory."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -397,7 +397,7 @@ def _stats(prepared: Prepared, state: loop.DecodeState, *, prefill_seconds, deco
 def _finish(model: Model, prepared: Prepared, tokens: list[list[int]], reasons: list[str],
             stats: SpecStats) -> GenerateResult:
     texts = None
-    if model.tokenizer is not None:
+    if model.tokenizer is not None and jax.process_index() == 0:  # multi-host: process 0 detokenizes
         texts = []
         for row, ids in enumerate(tokens):
             text, was_cut = _cut_at_stop(model.tokenizer.decode(ids), prepared.options.stop)

@@ -14,8 +14,9 @@ import pathlib
 import re
 import sys
 
-from jaxspec import api, checkpoints, compilation
+from jaxspec import api, checkpoints, compilation, distributed, sharding
 from jaxspec.errors import InvalidRequestError, JaxspecError
+from jaxspec.model import shard
 from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
 from jaxspec.score import score
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="apply the model's chat template (default: on when the model has one)")
     gen.add_argument("--weight-format", **WEIGHT_FORMAT_FLAG)
     gen.add_argument("-q", "--quiet", action="store_true", help="no 'compiling ...' notice on stderr")
+    gen.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                     help="shard over a device mesh: rows over 'data', heads/ffn/vocab over 'model' (jaxspec.shard)")
+    gen.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                     help="multi-host: process 0's address (jax.distributed); with --num-processes and --process-id")
+    gen.add_argument("--num-processes", type=int, default=None)
+    gen.add_argument("--process-id", type=int, default=None)
 
     scorer = commands.add_parser("score", help="each token's log-probability under the model, and the perplexity")
     scorer.add_argument("text")
@@ -178,7 +185,13 @@ def _check_flags(args) -> None:
 
 def _generate(args) -> None:
     _check_flags(args)
-    compilation.set_compile_notices(not args.quiet)
+    mesh_sizes = sharding.parse_mesh(args.mesh) if args.mesh is not None else None
+    if args.coordinator is not None:  # before anything touches a device
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    elif args.num_processes is not None or args.process_id is not None:
+        raise InvalidRequestError("--num-processes and --process-id go with --coordinator")
+    main_process = distributed.is_main_process()
+    compilation.set_compile_notices(not args.quiet and main_process)
     kv_format = args.kv_format
     if kv_format is not None and "," in kv_format:
         kv_format = tuple(kv_format.split(",", 1))
@@ -188,15 +201,20 @@ def _generate(args) -> None:
         draft_sampling=args.draft_sampling, kv_format=kv_format, attention=args.attention,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
-    model = api.load(args.model, weight_format=args.weight_format, progress=True)
+    model = api.load(args.model, weight_format=args.weight_format, progress=main_process)
+    if mesh_sizes is not None:
+        model = shard(model, sharding.make_mesh(**mesh_sizes))  # a draft follows the target's mesh
     if args.method == Method.MTP:  # the head lives in a target's directory (no --draft: the model's own)
         draft = api.load_mtp(args.draft) if args.draft else None
     else:
-        draft = api.load(args.draft, progress=True) if args.draft else None
+        draft = api.load(args.draft, progress=main_process) if args.draft else None
     chat = args.chat if args.chat is not None else bool(model.tokenizer and model.tokenizer.chat_template)
     stream = api.stream(model, args.prompt, draft, options=dataclasses.replace(options, chat=chat))
     for text in stream:
-        print(text, end="", flush=True)
+        if main_process:  # under a multi-host mesh, every process runs the loop and one prints
+            print(text, end="", flush=True)
+    if not main_process:
+        return
     stats = stream.result.stats
     speculation = ""
     if stats.method != "plain" and stats.tree is None:

@@ -16,7 +16,7 @@ import jax
 from jaxspec.errors import InvalidRequestError, is_integer
 from jaxspec.models import layers, quant
 from jaxspec.models.quant import WeightFormat
-from jaxspec.sharding import Plan, ShardingError, place_params, plan_for, repeat_kv_heads
+from jaxspec.sharding import Plan, ShardingError, laid_out_for, place_params, plan_for
 from jaxspec.tokenizer import Tokenizer
 
 
@@ -48,7 +48,7 @@ def shard(model: Model, mesh, rules=None) -> Model:
     if not isinstance(model, Model):
         raise InvalidRequestError(f"shard takes a jaxspec Model (from jaxspec.load); got {type(model).__name__}")
     plan = plan_for(model.config, mesh, rules)
-    config, params = repeat_kv_heads(model.config, model.params, plan.kv_repeats)
+    config, params = laid_out_for(model.config, model.params, plan)
     return dataclasses.replace(model, config=config, params=place_params(params, plan), sharding=plan)
 
 
@@ -94,7 +94,9 @@ _PLACED_DRAFTS: "weakref.WeakKeyDictionary[Model, dict[Plan, Model]]" = weakref.
 def on_mesh_of(draft: Model, target: Model) -> Model:
     """The draft laid out beside `target`: unchanged when the target is on one device or the
     draft is already on the target's mesh; sharded by the target's rules (placed once, then
-    reused) when it is on one device. A draft on another mesh is refused."""
+    reused) when it is on one device, each of its axes that does not divide the mesh replicated
+    (a draft is small; EAGLE-3's 4096-token vocabulary does not split 3 ways). A draft on
+    another mesh is refused."""
     plan = target.sharding
     if plan is None and draft.sharding is None:
         return draft
@@ -106,7 +108,10 @@ def on_mesh_of(draft: Model, target: Model) -> Model:
         return draft
     placed = _PLACED_DRAFTS.setdefault(draft, {})
     if plan not in placed:
-        placed[plan] = shard(draft, plan.mesh, plan.rules_for_another_model())
+        draft_plan = plan_for(draft.config, plan.mesh, plan.rules_for_another_model(), replicate_misfits=True)
+        config, params = laid_out_for(draft.config, draft.params, draft_plan)
+        placed[plan] = dataclasses.replace(draft, config=config, params=place_params(params, draft_plan),
+                                           sharding=draft_plan)
     return placed[plan]
 
 

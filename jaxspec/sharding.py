@@ -12,9 +12,13 @@ None (replicated). The default rules, over a mesh with axes "data" and "model":
     linear_heads, linear_key_heads -> model        parallel q/k/v and gate/up, row-parallel o and
                                                    down; a vocabulary-parallel embedding and head)
     embed, qkv, gate_up, linear_channels, kv_seq, head_dim -> replicated
+    (linear_channels follows linear_key_heads when those split: see below)
 
 Fused projections (`qkv_proj`, `gate_up_proj`) stack rows of different heads and halves, so a
 split of their rows cuts across q, k and v: `shard` unfuses them wherever their parts are split.
+The Qwen3.5 DeltaNet's q/k/v channels ("linear_channels": its `qkv_proj`, conv weight and conv
+state) are stacked the same way; where its key heads split, `shard` regroups the channels per key
+head (`gated_deltanet.by_key_head`) and splits them with the key heads.
 
 Where a count does not divide its mesh axis: kv heads are repeated up to lcm(kv heads, model axis)
 (each device then holds copies of the K/V heads its own query heads read, as vLLM replicates kv
@@ -36,7 +40,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.errors import InvalidRequestError
-from jaxspec.models import layers, quant
+from jaxspec.models import gated_deltanet, layers, quant
 from jaxspec.models.params import Axes, is_axes, logical_axes
 
 DATA, MODEL = "data", "model"
@@ -88,6 +92,7 @@ class Plan:
     mesh: Mesh
     rules: tuple[tuple[str, str | None], ...]  # every logical name -> mesh axis or None
     kv_repeats: int = 1  # each kv head's copies (kv heads that did not divide the model axis)
+    channels_by_key_head: bool = False  # a DeltaNet's q/k/v channels regrouped to split by key head
     counted: tuple[str, ...] = ("batch",)  # the logical axes this model has
 
     def mesh_axis(self, logical: str | None) -> str | None:
@@ -153,7 +158,8 @@ class Plan:
         split = sorted(name for name, axis in self.rules if axis is not None and self.mesh.shape[axis] > 1
                        and name in self.counted)
         repeats = f"; kv heads x{self.kv_repeats}" if self.kv_repeats > 1 else ""
-        return f"mesh ({shape}); split: {', '.join(split) or 'nothing'}{repeats}"
+        grouped = "; DeltaNet channels by key head" if self.channels_by_key_head else ""
+        return f"mesh ({shape}); split: {', '.join(split) or 'nothing'}{repeats}{grouped}"
 
 
 def _leaf_sharding(plan: Plan, axes: Axes, leaf: Any) -> Any:
@@ -187,7 +193,8 @@ def _check_rules(rules: Mapping[str, str | None] | None, mesh: Mesh) -> dict[str
     for logical, axis in merged.items():
         if axis is not None and axis not in mesh.shape:
             raise ShardingError(f"rule {logical!r} -> {axis!r} names no axis of the mesh {tuple(mesh.axis_names)}")
-    unused = sorted(name for name, size in mesh.shape.items() if size > 1 and name not in merged.values())
+    unused = sorted(name for name, size in mesh.shape.items()
+                    if size > 1 and name not in merged.values() and name not in (DATA, MODEL))
     if unused:
         raise ShardingError(
             f"mesh axis name(s) {unused} are not used by any rule; the default rules use 'data' (rows) and "
@@ -200,9 +207,11 @@ def _divisors_of_all(counts: list[int], limit: int) -> list[int]:
     return [n for n in range(1, limit + 1) if common % n == 0]
 
 
-def plan_for(cfg: Any, mesh: Mesh, rules: Mapping[str, str | None] | None = None) -> Plan:
+def plan_for(cfg: Any, mesh: Mesh, rules: Mapping[str, str | None] | None = None, *,
+             replicate_misfits: bool = False) -> Plan:
     """The layout of a model of config `cfg` on `mesh`: rules checked and every split axis's count
-    checked against its mesh axis (ShardingError names a misfit and the sizes that fit)."""
+    checked against its mesh axis (ShardingError names a misfit and the sizes that fit; with
+    `replicate_misfits`, what a draft following its target's mesh gets, a misfit is replicated)."""
     merged = _check_rules(rules, mesh)
     counts = axis_counts(cfg)
     kv_repeats = 1
@@ -216,14 +225,21 @@ def plan_for(cfg: Any, mesh: Mesh, rules: Mapping[str, str | None] | None = None
             # grouping: query head n reads copy n // (N / lcm) of original head n // (N / K).
             kv_repeats = math.lcm(count, size) // count
             continue
+        if replicate_misfits:
+            merged[logical] = None
+            continue
         split_here = [counts[name] for name, other in merged.items() if other == axis and name in counts]
         raise ShardingError(
             f"{count} {logical} (the model's {logical.replace('_', ' ')}) do not divide over mesh axis {axis!r} of "
             f"size {size}; sizes that divide everything split there: "
             f"{_divisors_of_all(split_here, len(mesh.devices.flat))}, or pass rules={{{logical!r}: None}} to "
             f"replicate it")
+    by_key_head = "linear_key_heads" in counts and merged["linear_key_heads"] is not None and (
+        mesh.shape[merged["linear_key_heads"]] > 1)
+    if by_key_head:
+        merged["linear_channels"] = merged["linear_key_heads"]
     return Plan(mesh=_auto(mesh), rules=tuple(sorted(merged.items())), kv_repeats=kv_repeats,
-                counted=("batch", *counts))
+                channels_by_key_head=by_key_head, counted=("batch", *counts))
 
 
 def _auto(mesh: Mesh) -> Mesh:
@@ -232,6 +248,15 @@ def _auto(mesh: Mesh) -> Mesh:
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def laid_out_for(cfg: Any, params: Any, plan: Plan) -> tuple[Any, Any]:
+    """(config, params) as the plan lays them out, before placing: kv heads repeated, a
+    DeltaNet's q/k/v channels grouped per key head. The same function of the input."""
+    cfg, params = repeat_kv_heads(cfg, params, plan.kv_repeats)
+    if plan.channels_by_key_head:
+        params = gated_deltanet.grouped_by_key_head(params, cfg)
+    return cfg, params
 
 
 def repeat_kv_heads(cfg: Any, params: Any, repeats: int) -> tuple[Any, Any]:

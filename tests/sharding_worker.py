@@ -17,7 +17,6 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + os.environ.get("XLA_FLAGS", "")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import jaxspec  # noqa: E402
 from jaxspec.api import Model, prepare  # noqa: E402

@@ -113,6 +113,16 @@ def test_convert_then_load_gives_identical_greedy_tokens(tiny, tiny_cache, conve
     assert outs[0] == outs[1] == source.tokenizer.decode(tokens["source"])
 
 
+def test_mesh_flag_shards_and_prints_the_same_text(tiny, tiny_cache, converted, capsys):
+    """--mesh data=1,model=1 (this machine's one device) runs the sharded program: the same text."""
+    args = ("generate", "tok1tok2", "--no-chat", "--max-new-tokens", "6", "--model", str(converted), "-q")
+    code, plain, err = run(capsys, *args)
+    assert code == 0, err
+    code, sharded, err = run(capsys, *args, "--mesh", "data=1,model=1")
+    assert code == 0, err
+    assert sharded == plain and plain and len(stats_lines(err)) == 1
+
+
 def test_quiet_silences_the_compile_notice(tiny, tiny_cache, converted, capsys):
     # Prompt buckets no other test compiles (17+ tokens -> 32, 33+ -> 64), so both runs compile.
     args = ("--no-chat", "--max-new-tokens", "4", "--model", str(converted))
@@ -200,9 +210,13 @@ def test_missing_model_path(tmp_path, capsys):
         (["--method", "ngram", "-k", "99"], "--num-draft-tokens must be an integer in [1, 32]"),
         (["--method", "ngram", "--draft-sampling", "sample", "--temperature", "1"],
          "no q for --draft-sampling='sample'"),
+        (["--mesh", "tensor=2"], "--mesh takes data=N,model=M"),
+        (["--mesh", "data=1,model=4"], "a mesh of data=1 x model=4 needs 4 devices; 1 are visible"),
+        (["--num-processes", "2"], "--num-processes and --process-id go with --coordinator"),
     ],
     ids=["top-p-0", "temperature-negative", "max-new-tokens-0", "exit-layer-alone", "eagle3-without-draft",
-         "draft-without-draft", "k-too-big", "ngram-sampled-drafts"],
+         "draft-without-draft", "k-too-big", "ngram-sampled-drafts", "mesh-unknown-axis", "mesh-too-big",
+         "processes-without-coordinator"],
 )
 def test_bad_generation_parameters_speak_cli(converted, capsys, flags, needle):
     code, out, err = run(capsys, "generate", "tok1", "--no-chat", "--model", str(converted), *flags)

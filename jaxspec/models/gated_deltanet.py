@@ -19,20 +19,29 @@ Y value head dim, C conv channels (2*J*X + E*Y), W conv kernel, c chunk size. Th
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxspec.models.layers import rms_norm
 from jaxspec.models.params import param
-from jaxspec.models.quant import matmul
+from jaxspec.models.quant import Int8Weight, matmul
 
 
 @struct.dataclass
 class DeltaNetParams:
-    """A Gated DeltaNet mixer's weights (`gated_delta_net`), `[out, in]` as HF stores them."""
+    """A Gated DeltaNet mixer's weights (`gated_delta_net`), `[out, in]` as HF stores them.
+
+    The q/k/v channel axis C of `qkv_proj` and `conv_weight` (and of the conv state the cache
+    keeps) is stacked [q (J*X); k (J*X); v (E*Y)] as checkpoints store it, or, with
+    `channels_by_key_head`, grouped per key head: J blocks of [q_j (X), k_j (X), v of value heads
+    j*r .. j*r + r - 1 (r*Y)], r = E / J (`by_key_head`). A split of the grouped axis into whole
+    blocks keeps each device's q, k and v heads together, so `jaxspec.shard` regroups it when
+    the key heads are split (the conv is per channel: any order computes the same).
+    """
 
     qkv_proj: jax.Array = param(axes=("linear_channels", "embed"), linear=True)  # [C, D]
     z_proj: jax.Array = param(axes=("linear_heads", "embed"), linear=True)  # [E*Y, D]: the output gate
@@ -43,6 +52,41 @@ class DeltaNetParams:
     dt_bias: jax.Array = param(axes=("linear_heads",))  # [E]
     out_norm: jax.Array = param(axes=(None,))  # [Y]: every value head shares it
     out_proj: jax.Array = param(axes=("embed", "linear_heads"), linear=True)  # [D, E*Y]
+    channels_by_key_head: bool = struct.field(pytree_node=False, default=False)  # C's order (above)
+
+
+def key_head_channel_order(cfg: "DeltaNetConfig") -> np.ndarray:
+    """int[C]: the stacked channel each grouped channel takes (DeltaNetParams' docstring)."""
+    J, E, X, Y = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    per_key = E // J * Y  # the value channels of one key head's value heads
+    blocks = [np.concatenate([np.arange(j * X, (j + 1) * X),  # q_j
+                              J * X + np.arange(j * X, (j + 1) * X),  # k_j
+                              2 * J * X + np.arange(j * per_key, (j + 1) * per_key)])  # v_j
+              for j in range(J)]
+    return np.concatenate(blocks)
+
+
+def grouped_by_key_head(params: Any, cfg: "DeltaNetConfig") -> Any:
+    """A params tree with every DeltaNet mixer's q/k/v channels grouped per key head (`by_key_head`)."""
+    def group(node):
+        return by_key_head(node, cfg) if isinstance(node, DeltaNetParams) else node
+
+    return jax.tree.map(group, params, is_leaf=lambda node: isinstance(node, DeltaNetParams))
+
+
+def by_key_head(weights: DeltaNetParams, cfg: "DeltaNetConfig") -> DeltaNetParams:
+    """`weights` with the q/k/v channels grouped per key head (rows permuted; any weight format)."""
+    if weights.channels_by_key_head:
+        return weights
+    order = key_head_channel_order(cfg)
+
+    def rows(weight):
+        if isinstance(weight, Int8Weight):
+            return Int8Weight(values=rows(weight.values), scales=rows(weight.scales))
+        return np.asarray(weight)[order]
+
+    return weights.replace(qkv_proj=rows(weights.qkv_proj), conv_weight=rows(weights.conv_weight),
+                           channels_by_key_head=True)
 
 
 class DeltaNetConfig(Protocol):
@@ -242,9 +286,14 @@ def gated_delta_net(weights: DeltaNetParams, cfg: DeltaNetConfig, h: jax.Array, 
     sequence = jnp.concatenate([conv_window, mixed], axis=1)  # [B, W-1+T, C]
     conv = sum(weights.conv_weight[:, w] * sequence[:, w: w + steps] for w in range(kernel))
     conv = jax.nn.silu(conv)
-    query = conv[..., : cfg.key_dim].reshape(batch, steps, J, X)
-    key = conv[..., cfg.key_dim: 2 * cfg.key_dim].reshape(batch, steps, J, X)
-    value = conv[..., 2 * cfg.key_dim:].reshape(batch, steps, E, Y)
+    if weights.channels_by_key_head:  # J blocks of [q_j, k_j, v_j]
+        blocks = conv.reshape(batch, steps, J, 2 * X + E // J * Y)
+        query, key = blocks[..., :X], blocks[..., X: 2 * X]
+        value = blocks[..., 2 * X:].reshape(batch, steps, E, Y)  # key head j's value heads are j*r .. j*r + r - 1
+    else:
+        query = conv[..., : cfg.key_dim].reshape(batch, steps, J, X)
+        key = conv[..., cfg.key_dim: 2 * cfg.key_dim].reshape(batch, steps, J, X)
+        value = conv[..., 2 * cfg.key_dim:].reshape(batch, steps, E, Y)
     # Each key head serves E / J consecutive value heads.
     query = jnp.repeat(_l2_normalise(query) * (X ** -0.5), E // J, axis=2)
     key = jnp.repeat(_l2_normalise(key), E // J, axis=2)

@@ -284,7 +284,8 @@ class Qwen35Params:
 
 
 _LAYER_TYPES = {LayerType.FULL_ATTENTION: FullAttentionLayer, LayerType.LINEAR_ATTENTION: DeltaNetLayer}
-_DELTA_NET_NAMES = tuple(field.name for field in dataclasses.fields(DeltaNetParams))
+# The array fields (not the static channel-order flag, which a checkpoint's order leaves False).
+_DELTA_NET_NAMES = tuple(field.name for field in dataclasses.fields(DeltaNetParams) if "axes" in field.metadata)
 
 
 def layer_from(kind: LayerType, leaf: Callable[[str], Any]) -> FullAttentionLayer | DeltaNetLayer:

@@ -23,15 +23,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from jaxspec import models
 from jaxspec.cache import Cache, KVFormat
 from jaxspec.config import ModelConfig
 from jaxspec.models.qwen35 import Qwen35Config
-from jaxspec.sharding import Plan, to_host
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, repeat_rows, select
+from jaxspec.sharding import Plan, to_host
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.proposers import Context, Prefill, Proposal, Proposer, Verified
 from jaxspec.spec.tree import DraftTree
