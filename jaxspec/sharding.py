@@ -3,7 +3,7 @@
 jaxspec runs on JAX's own SPMD engine (DESIGN.md contract 8): every array gets a
 `NamedSharding`, XLA partitions the one jitted program (prefill, the `lax.while_loop` of
 rounds) and inserts the collectives. Nothing in the models knows about meshes: params fields
-declare logical axis names (jaxspec.models.params), caches declare theirs (`KVCache.AXES`,
+declare logical axis names (jaxspec.models.params), caches declare theirs (`KVCache.logical_axes`,
 `Qwen35Cache.logical_axes`), and a rule table maps each logical name to a mesh axis or to
 None (replicated). The default rules, over a mesh with axes "data" and "model":
 
@@ -145,7 +145,7 @@ class Plan:
         return jax.tree.map(lay_out, tree, is_leaf=lambda node: hasattr(node, "logical_axes"))
 
     def constrain_rows(self, tree: Any) -> Any:
-        """Every array leaf of `tree` whose leading axis is the batch: rows over "data"."""
+        """Every array leaf of `tree` (per-row arrays: the leading axis is the batch) by rows over "data"."""
         return jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(leaf, self.rows(leaf.ndim)), tree)
 
     def rules_for_another_model(self) -> dict[str, str | None]:
@@ -236,8 +236,8 @@ def plan_for(cfg: Any, mesh: Mesh, rules: Mapping[str, str | None] | None = None
             f"replicate it")
     by_key_head = "linear_key_heads" in counts and merged["linear_key_heads"] is not None and (
         mesh.shape[merged["linear_key_heads"]] > 1)
-    if by_key_head:
-        merged["linear_channels"] = merged["linear_key_heads"]
+    # The stacked q/k/v channels split only regrouped per key head, with the key heads.
+    merged["linear_channels"] = merged["linear_key_heads"] if by_key_head else None
     return Plan(mesh=_auto(mesh), rules=tuple(sorted(merged.items())), kv_repeats=kv_repeats,
                 channels_by_key_head=by_key_head, counted=("batch", *counts))
 

@@ -9,6 +9,7 @@ holds (host callbacks, all-gathers and their shapes), and the errors bad meshes 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import jax  # noqa: E402
 import jaxspec  # noqa: E402
 from jaxspec.api import Model, prepare  # noqa: E402
 from jaxspec.config import ModelConfig  # noqa: E402
-from jaxspec.models import eagle3, llama, qwen35  # noqa: E402
+from jaxspec.models import eagle3, llama, mtp, qwen35  # noqa: E402
 from jaxspec.spec import loop  # noqa: E402
 
 # 8 query heads and 4 kv heads: on (1, 8) the kv heads do not divide and are replicated.
@@ -39,11 +40,7 @@ HYBRID = qwen35.Qwen35Config(
 # A ragged batch: 3 rows of different lengths (padded to whole "data" shards on a mesh), with
 # repeats for prompt lookup to find.
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8], [10, 11, 12], [20, 21, 22, 23, 20, 21, 22, 30, 31, 20, 21]]
-# Each mesh runs the cases that exercise what it splits (all of them on (2, 4)): (8, 1) is data
-# parallel only, (1, 8) tensor parallel only, with the kv heads repeated.
-MESHES = {(8, 1): ("plain", "ngram", "sampling_plain"),
-          (2, 4): ("plain", "ngram", "draft", "eagle3", "sampling_draft", "sampling_plain"),
-          (1, 8): ("plain", "draft", "eagle3")}
+MESHES = [(8, 1), (2, 4), (1, 8)]  # data parallel only; both; tensor parallel only (kv heads repeated)
 NEW_TOKENS = 20
 
 
@@ -108,12 +105,11 @@ def main() -> None:
     report = {"devices": len(jax.devices()), "tokens": {}, "placement": {}, "loops": {}}
     for name, (case_draft, options) in cases(target, draft, head).items():
         report["tokens"][name] = {"unsharded": run(target, case_draft, options)}
-    for shape, names in MESHES.items():
+    for shape in MESHES:
         key = "x".join(map(str, shape))
         sharded = jaxspec.shard(target, jaxspec.make_mesh(*shape))
         for name, (case_draft, options) in cases(target, draft, head).items():
-            if name in names:
-                report["tokens"][name][key] = run(sharded, case_draft, options)
+            report["tokens"][name][key] = run(sharded, case_draft, options)
         layer = sharded.params.layers[0]
         report["placement"][key] = {
             "plan": str(sharded.sharding),
@@ -129,11 +125,17 @@ def main() -> None:
         }
         report["loops"][key] = {name: compiled_loop(sharded, case_draft, options)
                                 for name, (case_draft, options) in cases(target, draft, head).items()
-                                if name in names and name in ("plain", "ngram", "eagle3")}
-    # A draft tree on the (2, 4) mesh: the same tokens as unsharded.
-    tree = {"tree": (2, 2, 4)}
-    report["tokens"]["tree_draft"] = {"unsharded": run(target, draft, tree),
-                                      "2x4": run(jaxspec.shard(target, jaxspec.make_mesh(2, 4)), draft, tree)}
+                                if name in ("plain", "ngram", "eagle3")}
+    # On the (2, 4) mesh: a draft tree, layer-skip (the target's own first layers, so its own
+    # sharding) and an MTP head, each the same tokens as unsharded.
+    on_24 = jaxspec.shard(target, jaxspec.make_mesh(2, 4))
+    mtp_cfg = mtp.MtpConfig(block=dataclasses.replace(TARGET, num_layers=1))
+    mtp_head = Model(config=mtp_cfg, params=mtp.init_params(mtp_cfg, jax.random.PRNGKey(5), scale=0.2))
+    for name, case_draft, options in (("tree_draft", draft, {"tree": (2, 2, 4)}),
+                                      ("layer_skip", None, {"method": "layer_skip", "exit_layer": 2,
+                                                            "num_draft_tokens": 3}),
+                                      ("mtp", mtp_head, {"num_draft_tokens": 2})):
+        report["tokens"][name] = {"unsharded": run(target, case_draft, options), "2x4": run(on_24, case_draft, options)}
     # The Qwen3.5 hybrid (DeltaNet layers beside attention) on (2, 4), prompt lookup (its rounds
     # without a match are plain steps).
     hybrid = Model(config=HYBRID, params=qwen35.init_params(HYBRID, jax.random.PRNGKey(4), scale=0.2))

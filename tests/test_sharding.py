@@ -45,9 +45,9 @@ def test_the_worker_sees_eight_devices(report):
 
 
 @pytest.mark.parametrize("case", ["plain", "ngram", "draft", "eagle3", "sampling_draft", "sampling_plain",
-                                  "tree_draft", "hybrid_ngram"])
+                                  "tree_draft", "layer_skip", "mtp", "hybrid_ngram"])
 def test_tokens_are_identical_to_one_device(report, case):
-    runs = report["tokens"][case]
+    runs = dict(report["tokens"][case])  # a copy: the report is shared by the module's tests
     reference = runs.pop("unsharded")
     assert runs, "the case ran on no mesh"
     assert len(reference) == 3 and all(len(row) == 20 for row in reference)  # ragged prompts, every row full
@@ -179,17 +179,24 @@ def _free_port() -> int:
 def test_two_processes_on_one_mesh_get_the_tokens_of_one(report, tmp_path):
     """Two processes on localhost, 4 CPU devices each, the coordinator on a free port: a sharded
     generate over the (2, 4) mesh spanning both returns the unsharded run's tokens."""
-    out, port = tmp_path / "tokens.json", _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    worker = Path(__file__).with_name("multihost_worker.py")
-    procs = [subprocess.Popen([sys.executable, str(worker), str(rank), str(port), str(out)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
-    try:
-        errors = [proc.communicate(timeout=600)[1] for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert all(proc.returncode == 0 for proc in procs), "\n".join(e[-3000:] for e in errors)
+    out = tmp_path / "tokens.json"
+    failures = []
+    for _ in range(2):  # a launch that fails (a port taken meanwhile, a coordinator timeout) is retried once
+        port = _free_port()
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        worker = Path(__file__).with_name("multihost_worker.py")
+        procs = [subprocess.Popen([sys.executable, str(worker), str(rank), str(port), str(out)], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
+        try:
+            errors = [proc.communicate(timeout=600)[1] for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+        if all(proc.returncode == 0 for proc in procs):
+            break
+        failures.append("\n".join(f"rank {rank} exit {proc.returncode}: {error[-2000:]}"
+                                  for rank, proc, error in zip((1, 0), procs, errors)))
+    assert len(failures) < 2, "\n---\n".join(failures)
     got = json.loads(out.read_text())
     assert (got["processes"], got["devices"], got["local_devices"]) == (2, 8, 4)
     assert got["tokens"] == report["tokens"]["ngram"]["unsharded"]
