@@ -174,6 +174,13 @@ def _stop_hits(tokens: jax.Array, ends: jax.Array, first_generated: jax.Array, r
     return hit
 
 
+def _scatter_row(row: jax.Array, at: jax.Array, values: jax.Array) -> jax.Array:
+    """row[at] = values for one row ([S] <- [T]; positions past the end dropped). Vmapped over
+    rows, the scatter's batch dimension is explicit, so on a mesh each "data" shard writes its own
+    rows without gathering the others' indices."""
+    return row.at[at].set(values, mode="drop")
+
+
 def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
                   request: Request, spec: LoopSpec) -> DecodeState:
     """Append the first `counts[b]` of `new_tokens` [B, T] to each running row.
@@ -189,8 +196,7 @@ def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
     generated_index = state.num_generated[:, None] + offsets  # [B, T]: index among generated tokens
     at = state.prompt_length[:, None] + generated_index  # [B, T]: index in the history
     valid = offsets < counts[:, None]
-    rows = jnp.arange(batch)[:, None]
-    tokens = state.tokens.at[rows, jnp.where(valid, at, size)].set(new_tokens, mode="drop")
+    tokens = jax.vmap(_scatter_row)(state.tokens, jnp.where(valid, at, size), new_tokens)
 
     stop_hit = _stop_hits(tokens, at, state.prompt_length, request, spec) & valid
     length_hit = (generated_index + 1 >= request.max_new_tokens[:, None]) & valid
@@ -207,7 +213,7 @@ def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
     seen = state.seen
     if seen is not None:
         seen_at = jnp.where(offsets < kept[:, None], new_tokens, seen.shape[1])
-        seen = seen.at[rows, seen_at].set(True, mode="drop")
+        seen = jax.vmap(_scatter_row)(seen, seen_at, jnp.ones(seen_at.shape, bool))
     return state.replace(tokens=tokens, num_generated=num_generated, finish_reason=finish_reason, seen=seen)
 
 
