@@ -31,6 +31,7 @@ loop's static spec.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -266,15 +267,10 @@ def repeat_kv_heads(cfg: Any, params: Any, repeats: int) -> tuple[Any, Any]:
     if repeats == 1:
         return cfg, params
     inner = getattr(cfg, "block", cfg)  # an MTP head's decoder layer
-    head_dim = inner.head_dim
-
-    def rows(weight):  # [K*H, ...] -> [K*r*H, ...]
-        if weight is None:
-            return None
-        if isinstance(weight, quant.Int8Weight):
-            return quant.Int8Weight(values=rows(weight.values), scales=rows(weight.scales))
-        heads = np.asarray(weight).reshape(-1, head_dim, *weight.shape[1:])
-        return np.repeat(heads, repeats, axis=0).reshape(-1, *weight.shape[1:])
+    kv_rows = inner.num_kv_heads * inner.head_dim
+    # Row index of each repeated row: head j's H rows, r times, head by head. [K*r*H]
+    index = np.repeat(np.arange(kv_rows).reshape(-1, inner.head_dim), repeats, axis=0).reshape(-1)
+    rows = functools.partial(quant.take_rows, index=index)  # [K*H, ...] -> [K*r*H, ...]
 
     def repeat(node):
         if isinstance(node, layers.AttentionParams):

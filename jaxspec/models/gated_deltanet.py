@@ -28,7 +28,7 @@ from flax import struct
 
 from jaxspec.models.layers import rms_norm
 from jaxspec.models.params import param
-from jaxspec.models.quant import Int8Weight, matmul
+from jaxspec.models.quant import matmul, take_rows
 
 
 @struct.dataclass
@@ -79,13 +79,7 @@ def by_key_head(weights: DeltaNetParams, cfg: "DeltaNetConfig") -> DeltaNetParam
     if weights.channels_by_key_head:
         return weights
     order = key_head_channel_order(cfg)
-
-    def rows(weight):
-        if isinstance(weight, Int8Weight):
-            return Int8Weight(values=rows(weight.values), scales=rows(weight.scales))
-        return np.asarray(weight)[order]
-
-    return weights.replace(qkv_proj=rows(weights.qkv_proj), conv_weight=rows(weights.conv_weight),
+    return weights.replace(qkv_proj=take_rows(weights.qkv_proj, order), conv_weight=take_rows(weights.conv_weight, order),
                            channels_by_key_head=True)
 
 

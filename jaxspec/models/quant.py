@@ -133,6 +133,16 @@ def quantize_rows(w: Any) -> Int8Weight:
     return Int8Weight(values=values, scales=scales)
 
 
+def take_rows(w: Weight | None, index: np.ndarray) -> Weight | None:
+    """The weight's rows `index` int[O'] (a permutation or a repetition), in its own format, on the
+    host: an int8 weight's scales go with its rows (each row is quantized on its own, so this is exact)."""
+    if w is None:
+        return None
+    if isinstance(w, Int8Weight):
+        return Int8Weight(values=take_rows(w.values, index), scales=take_rows(w.scales, index))
+    return np.asarray(w)[index]
+
+
 def dequantize(w: Weight) -> jax.Array:
     """The float32 matrix a weight stands for."""
     if isinstance(w, Int8Weight):
