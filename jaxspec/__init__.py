@@ -6,8 +6,8 @@
     print(result.text[0], result.stats.decode_tokens_per_second)
 """
 
-from jaxspec.api import (DEFAULT_MODEL, GenerateResult, Model, SpecStats, Stream, generate, layer_skip, load, load_mtp,
-                         prepare, stream)
+from jaxspec.api import (DEFAULT_MODEL, GenerateResult, Model, SpecStats, Stream, TokenLogprob, generate, layer_skip,
+                         load, load_mtp, prepare, stream)
 from jaxspec.compilation import set_compile_notices
 from jaxspec.config import Architecture, ModelConfig
 from jaxspec.errors import CheckpointError, InvalidRequestError, JaxspecError, UnsupportedModelError
@@ -22,6 +22,6 @@ from jaxspec.spec.tree import DraftTree
 __all__ = [
     "DEFAULT_MODEL", "Architecture", "CheckpointError", "DraftTree", "GenerateOptions", "GenerateResult", "InvalidRequestError",
     "JaxspecError", "Method", "Model", "ModelConfig", "ScoreResult", "ShardingError", "SpecStats", "Stream",
-    "UnsupportedModelError", "WeightFormat", "convert_weights", "generate", "layer_skip", "load", "load_mtp", "make_mesh",
+    "TokenLogprob", "UnsupportedModelError", "WeightFormat", "convert_weights", "generate", "layer_skip", "load", "load_mtp", "make_mesh",
     "prepare", "score", "set_compile_notices", "shard", "stream",
 ]

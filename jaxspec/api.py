@@ -35,7 +35,7 @@ from jaxspec.spec.methods import Method, Speculation, build
 from jaxspec.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "GenerateOptions", "GenerateResult", "Method", "Model", "Prepared", "SpecStats",
-           "Stream", "generate", "layer_skip", "lm_head_of", "load", "load_mtp", "prepare", "stream"]
+           "Stream", "TokenLogprob", "generate", "layer_skip", "lm_head_of", "load", "load_mtp", "prepare", "stream"]
 
 DEFAULT_MODEL = "smollm2-135m"
 # Lengths are bucketed so nearby values share one compiled program: prompts to a power of two
@@ -149,11 +149,25 @@ class SpecStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-prob (natural log) under the target's final distribution: the
+    sampling processors (repetition penalty, temperature with 0 counted as 1, top-k / top-p /
+    min-p, filtered tokens at -inf) and a grammar's mask applied, as `jaxspec.sampling.log_probs`
+    computes it. At temperature 1 with no processors and no grammar it is the model's own
+    log-softmax, which `jaxspec.score` reports for the same text."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the `logprobs` most likely (token id, log-prob) there, best first
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerateResult:
     tokens: list[list[int]]  # generated ids per row (an EOS that ended the row included)
     text: list[str] | None  # decoded per row (None without a tokenizer), stop strings cut off
     finish_reason: list[str]  # "stop" | "length" | "capacity"
     stats: SpecStats
+    logprobs: list[list[TokenLogprob]] | None = None  # per row, per token in `tokens`; with logprobs=N
 
 
 def prompt_ids(prompt, model: Model, chat: bool) -> list[list[int]]:
@@ -311,6 +325,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
                 f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}){drafts} exceeds the {whose} "
                 f"context of {context} tokens")
     stop_token_ids, stop_sequences = _stop_ids_and_sequences(model, options)
+    grammars = _grammars(model, options, len(rows))  # compiled on the host, before anything is traced
 
     # On a mesh the batch is padded to whole "data" shards with one-token rows that end at once.
     data_rows = 1 if plan is None else plan.data_size
@@ -335,6 +350,11 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
         key=jax.random.PRNGKey(options.seed),
         stop_token_ids=jnp.asarray(stop_ids),
     )
+    if grammars is not None:
+        from jaxspec import grammar as grammar_lib
+
+        table, starts = grammar_lib.build_table(grammars + [None] * filler_rows, cfg.vocab_size)
+        request = request.replace(grammar=table, grammar_start=jnp.asarray(starts, jnp.int32))
     if plan is not None:
         request = _placed(request, plan)
     spec = loop.LoopSpec(
@@ -348,8 +368,27 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
         token_lanes=lanes,
         sharding=plan,
         draft_sharding=draft_params.sharding if isinstance(draft_params, Model) else None,
+        logprobs=options.logprobs,
     )
     return Prepared(rows=rows, request=request, spec=spec, speculation=speculation, options=options)
+
+
+def _grammars(model: Model, options: GenerateOptions, rows: int) -> list | None:
+    """Each row's compiled grammar (None for a free row), or None when no row has one."""
+    if not options.constrained:
+        return None
+    if model.tokenizer is None:
+        raise InvalidRequestError("constrained generation (regex, json_schema, choices) needs the model's tokenizer")
+    from jaxspec import grammar as grammar_lib
+
+    compiled = []
+    for row_grammar in options.grammars(rows):
+        if row_grammar is None:
+            compiled.append(None)
+            continue
+        kind, source = row_grammar
+        compiled.append(grammar_lib.compile_grammar(model.tokenizer, model.config.vocab_size, **{kind: source}))
+    return compiled
 
 
 def _placed(request: loop.Request, plan: Plan) -> loop.Request:
@@ -360,9 +399,11 @@ def _placed(request: loop.Request, plan: Plan) -> loop.Request:
     per_row = (host.prompt, host.prompt_length, host.max_new_tokens, host.sampling)
     prompt, prompt_length, max_new_tokens, sampling = jax.device_put(
         per_row, jax.tree.map(lambda leaf: plan.rows(leaf.ndim), per_row))
-    key, stop_token_ids = jax.device_put((host.key, host.stop_token_ids), plan.replicated)
+    key, stop_token_ids, grammar = jax.device_put((host.key, host.stop_token_ids, host.grammar), plan.replicated)
+    grammar_start = None if host.grammar_start is None else jax.device_put(host.grammar_start, plan.rows(1))
     return loop.Request(prompt=prompt, prompt_length=prompt_length, max_new_tokens=max_new_tokens,
-                        sampling=sampling, key=key, stop_token_ids=stop_token_ids)
+                        sampling=sampling, key=key, stop_token_ids=stop_token_ids, grammar=grammar,
+                        grammar_start=grammar_start)
 
 
 def _cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> tuple[str, bool]:
@@ -394,8 +435,24 @@ def _stats(prepared: Prepared, state: loop.DecodeState, *, prefill_seconds, deco
     )
 
 
+def _logprobs(state: loop.DecodeState, rows: int) -> list[list[TokenLogprob]] | None:
+    """Each of the first `rows` rows' generated tokens with their log-probs, copied to the host."""
+    if state.logprobs is None:
+        return None
+    history, starts, counts, logprobs = to_host((state.tokens, state.prompt_length, state.num_generated,
+                                                 state.logprobs))
+    result = []
+    for row in range(rows):
+        span = range(starts[row], starts[row] + counts[row])
+        result.append([TokenLogprob(token=int(history[row, at]), logprob=float(logprobs.chosen[row, at]),
+                                    top=tuple((int(t), float(v)) for t, v in zip(logprobs.top_ids[row, at],
+                                                                                 logprobs.top_logprobs[row, at])))
+                       for at in span])
+    return result
+
+
 def _finish(model: Model, prepared: Prepared, tokens: list[list[int]], reasons: list[str],
-            stats: SpecStats) -> GenerateResult:
+            stats: SpecStats, logprobs: list[list[TokenLogprob]] | None = None) -> GenerateResult:
     texts = None
     if model.tokenizer is not None and jax.process_index() == 0:  # multi-host: process 0 detokenizes
         texts = []
@@ -404,7 +461,7 @@ def _finish(model: Model, prepared: Prepared, tokens: list[list[int]], reasons: 
             texts.append(text)
             if was_cut:
                 reasons[row] = "stop"
-    return GenerateResult(tokens=tokens, text=texts, finish_reason=reasons, stats=stats)
+    return GenerateResult(tokens=tokens, text=texts, finish_reason=reasons, stats=stats, logprobs=logprobs)
 
 
 def _timed(call, what: str):
@@ -453,7 +510,7 @@ def generate(model: Model, draft_params: Model | None = None,
     reasons = [loop.FINISH_NAMES[int(r)] for r in to_host(state.finish_reason)[:rows]]
     stats = _stats(prepared, state, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
                    compile_seconds=compile_prefill + compile_decode, rows=rows)
-    return _finish(model, prepared, loop.generated_tokens(state, rows), reasons, stats)
+    return _finish(model, prepared, loop.generated_tokens(state, rows), reasons, stats, _logprobs(state, rows))
 
 
 class Stream:
@@ -522,7 +579,10 @@ class Stream:
         reasons = ["stop" if stopped_by_string else loop.FINISH_NAMES[int(to_host(state.finish_reason)[0])]]
         stats = _stats(prepared, state, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
                        compile_seconds=compile_seconds, rows=1)
-        self.result = _finish(model, prepared, [generated], reasons, stats)
+        logprobs = _logprobs(state, 1)
+        if logprobs is not None:  # a stop string can end the stream before the state's last token
+            logprobs = [logprobs[0][: len(generated)]]
+        self.result = _finish(model, prepared, [generated], reasons, stats, logprobs)
 
 
 def stream(model: Model, prompt, draft_params: Model | None = None, **options) -> Stream:

@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="apply the model's chat template (default: on when the model has one)")
     gen.add_argument("--weight-format", **WEIGHT_FORMAT_FLAG)
     gen.add_argument("-q", "--quiet", action="store_true", help="no 'compiling ...' notice on stderr")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="after the text, each token's log-prob and its N most likely alternatives")
+    gen.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
+    gen.add_argument("--json-schema", default=None, metavar="FILE",
+                     help="constrain the output to JSON valid under the schema in FILE")
+    gen.add_argument("--choice", action="append", default=None,
+                     help="constrain the output to one of these strings (repeatable)")
     gen.add_argument("--mesh", default=None, metavar="data=N,model=M",
                      help="shard over a device mesh: rows over 'data', heads/ffn/vocab over 'model' (jaxspec.shard)")
     gen.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -157,7 +164,8 @@ PYTHON_NAMES_TO_FLAGS = {
     "draft_params": "--draft", "num_draft_tokens": "--num-draft-tokens", "max_new_tokens": "--max-new-tokens",
     "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
     "draft_sampling": "--draft-sampling", "kv_format": "--kv-format", "exit_layer": "--exit-layer",
-    "temperature": "--temperature",
+    "temperature": "--temperature", "logprobs": "--logprobs", "json_schema": "--json-schema", "regex": "--regex",
+    "choices": "--choice",
 }
 _PYTHON_NAME = re.compile(r"\b(" + "|".join(map(re.escape, PYTHON_NAMES_TO_FLAGS)) + r")\b")
 _METHOD_EQUALS = re.compile(r"method='(\w+)'")
@@ -192,6 +200,13 @@ def _generate(args) -> None:
         raise InvalidRequestError("--num-processes and --process-id go with --coordinator")
     main_process = distributed.is_main_process()
     compilation.set_compile_notices(not args.quiet and main_process)
+    json_schema = None
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema, encoding="utf-8") as file:
+                json_schema = file.read()
+        except (OSError, UnicodeDecodeError) as error:
+            raise InvalidRequestError(f"--json-schema {args.json_schema}: cannot read it ({error})") from None
     kv_format = args.kv_format
     if kv_format is not None and "," in kv_format:
         kv_format = tuple(kv_format.split(",", 1))
@@ -200,7 +215,8 @@ def _generate(args) -> None:
         method=args.method, num_draft_tokens=args.num_draft_tokens, tree=args.tree, exit_layer=args.exit_layer,
         draft_sampling=args.draft_sampling, kv_format=kv_format, attention=args.attention,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+        logprobs=args.logprobs, regex=args.regex, json_schema=json_schema, choices=args.choice)
     model = api.load(args.model, weight_format=args.weight_format, progress=main_process)
     if mesh_sizes is not None:
         model = shard(model, sharding.make_mesh(**mesh_sizes))  # a draft follows the target's mesh
@@ -215,6 +231,8 @@ def _generate(args) -> None:
             print(text, end="", flush=True)
     if not main_process:
         return
+    if stream.result.logprobs is not None:
+        _print_logprobs(stream.result.logprobs[0], model.tokenizer)
     stats = stream.result.stats
     speculation = ""
     if stats.method != "plain" and stats.tree is None:
@@ -230,6 +248,17 @@ def _generate(args) -> None:
         f"compile {stats.compile_seconds:.1f} s, finish: {stream.result.finish_reason[0]}]",
         file=sys.stderr,
     )
+
+
+def _print_logprobs(logprobs, tokenizer) -> None:
+    """One line per generated token: the token, its log-prob, then the alternatives, best first."""
+    def shown(token_id: int) -> str:
+        return repr(tokenizer.decode([token_id], skip_special_tokens=False)) if tokenizer is not None else str(token_id)
+
+    print("\n\nlog-probs (token, log-prob, then the most likely tokens there):")
+    for entry in logprobs:
+        alternatives = ", ".join(f"{shown(token)} {value:.4f}" for token, value in entry.top)
+        print(f"  {shown(entry.token):>16} {entry.logprob:9.4f}" + (f"   | {alternatives}" if alternatives else ""))
 
 
 def _score(args) -> None:

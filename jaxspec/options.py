@@ -23,6 +23,8 @@ from jaxspec.spec.methods import DRAFT_SAMPLING, MAX_DRAFT_TOKENS, DraftOptions,
 from jaxspec.spec.tree import DraftTree
 
 MAX_NGRAM = 16
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs)
+GRAMMAR_KINDS = ("regex", "json_schema", "choices")
 
 
 def _is_sequence(value) -> bool:
@@ -44,6 +46,10 @@ class GenerateOptions:
     Each may also be a per-row sequence. Stops: EOS (unless `ignore_eos`), `stop_token_ids`, `stop`
     strings, `max_new_tokens`. KV cache: `kv_format` ("f32", "bf16", "q8_0", "q5_1" or a (K, V)
     pair) and `attention` ("auto", "reference", "pallas", "interpret").
+    Log-probs: `logprobs` N reports each generated token's log-prob and its N best alternatives
+    (0: the token's own only; None: off). Constrained decoding (jaxspec.grammar): `regex`,
+    `json_schema` (a JSON string or a dict) or `choices` (a sequence of strings) for every row;
+    or, for rows with different grammars, a per-row sequence of them with None for a free row.
     """
 
     method: Method | str | None = None
@@ -66,6 +72,10 @@ class GenerateOptions:
     ignore_eos: bool = False
     kv_format: KVFormat | str | tuple[str, str] | None = None
     attention: Attention | str = "auto"
+    logprobs: int | None = None
+    regex: str | Sequence[str | None] | None = None
+    json_schema: str | dict | Sequence[str | dict | None] | None = None
+    choices: Sequence[str] | Sequence[Sequence[str] | None] | None = None
 
     def __post_init__(self):
         # Normalised in place (the dataclass is frozen): names become enums, sequences tuples.
@@ -119,6 +129,36 @@ class GenerateOptions:
         if attention is not Attention.AUTO:
             resolve_attention(attention)  # "pallas" off a GPU: a named error now, not at trace time
         normalise("attention", attention)
+        if self.logprobs is not None and not (is_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None; got {self.logprobs!r:.40}")
+        if self.logprobs is not None:
+            normalise("logprobs", int(self.logprobs))
+        normalise("regex", _per_row_or_all("regex", self.regex, _is_regex))
+        normalise("json_schema", _per_row_or_all("json_schema", self.json_schema, _is_schema, _schema_text))
+        normalise("choices", _per_row_or_all("choices", self.choices, _is_choices, tuple))
+
+    def grammars(self, rows: int) -> list[tuple[str, str | tuple[str, ...]] | None]:
+        """Each row's grammar as (kind, source): kind one of GRAMMAR_KINDS; None for a free row.
+        InvalidRequestError when a per-row sequence does not have `rows` entries, or a row has two."""
+        per_row: list[tuple[str, object] | None] = [None] * rows
+        for kind in GRAMMAR_KINDS:
+            value = getattr(self, kind)
+            if value is None:
+                continue
+            if isinstance(value, _PerRow):
+                if len(value) != rows:
+                    raise InvalidRequestError(f"{kind} has {len(value)} per-row entries for {rows} prompt(s)")
+                values = list(value)
+            else:
+                values = [value] * rows
+            for row, source in enumerate(values):
+                if source is None:
+                    continue
+                if per_row[row] is not None:
+                    raise InvalidRequestError(f"prompt {row} has two grammars ({per_row[row][0]} and {kind}); "
+                                              f"give each row one of {', '.join(GRAMMAR_KINDS)}")
+                per_row[row] = (kind, source)
+        return per_row
 
     def _check_sampling(self) -> None:
         checks = [
@@ -159,6 +199,10 @@ class GenerateOptions:
                             ngram_min=int(self.ngram_min), exit_layer=self.exit_layer,
                             draft_sampling=self.draft_sampling, tree=self.tree)
 
+    @property
+    def constrained(self) -> bool:
+        return any(getattr(self, kind) is not None for kind in GRAMMAR_KINDS)
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> "GenerateOptions":
         """Options from keyword arguments; an unknown name is an InvalidRequestError naming it."""
@@ -168,3 +212,49 @@ class GenerateOptions:
                                       f"fields of jaxspec.GenerateOptions")
         return cls(**kwargs)
 
+
+
+class _PerRow(tuple):
+    """A grammar option given per row (a tuple, told apart from one value that is itself a tuple:
+    a set of choices)."""
+
+
+def _is_regex(value) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _is_schema(value) -> bool:
+    return isinstance(value, str | dict) and bool(value)
+
+
+def _is_choices(value) -> bool:
+    return _is_sequence(value) and len(value) > 0 and all(isinstance(choice, str) and choice for choice in value)
+
+
+def _schema_text(value) -> str:
+    """A JSON schema as its JSON text (a dict is dumped, so the options stay comparable and a
+    compiled grammar is cached by its text)."""
+    import json
+
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as err:
+        raise InvalidRequestError(f"json_schema is a dict that is not JSON: {err}") from None
+
+
+def _per_row_or_all(name: str, value, is_one, normal=lambda v: v):
+    """A grammar option as one value for every row, or a `_PerRow` of values and Nones."""
+    if value is None:
+        return None
+    if isinstance(value, _PerRow):
+        return value
+    if is_one(value):
+        return normal(value)
+    if _is_sequence(value) and len(value) > 0 and all(v is None or is_one(v) for v in value):
+        return _PerRow(None if v is None else normal(v) for v in value)
+    what = {"regex": "a non-empty string", "json_schema": "a JSON schema (a string or a dict)",
+            "choices": "a non-empty sequence of non-empty strings"}[name]
+    raise InvalidRequestError(f"{name} must be {what}, or a per-row sequence of them (None for a free row); "
+                              f"got {value!r:.80}")

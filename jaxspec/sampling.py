@@ -152,6 +152,22 @@ def distribution(
     return jnp.where((params.temperature > 0)[:, None], probs, greedy)
 
 
+def log_probs(
+    logits: jax.Array,
+    params: SamplingParams,
+    spec: SamplerSpec,
+    seen: jax.Array | None = None,
+) -> jax.Array:
+    """Log-probabilities [B, V] of the processed distribution: repetition penalty, temperature,
+    top-k / top-p / min-p (filtered tokens at -inf), then a log-softmax. What a sampled row draws
+    from; a greedy row (temperature 0) is scaled by 1, so with no processors this is the model's
+    own log-softmax (what `jaxspec.score` reports). seen: bool[B, V] when `spec.repetition_penalty`."""
+    logits = logits.astype(jnp.float32)
+    if spec.repetition_penalty:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    return jax.nn.log_softmax(processed_logits(logits, params, spec), axis=-1)
+
+
 def repeat_rows(params: SamplingParams, times: int) -> SamplingParams:
     """Each row's parameters repeated `times` times: for [B * T, V] logits flattened row-major."""
     return jax.tree.map(lambda value: jnp.repeat(value, times, axis=0), params)

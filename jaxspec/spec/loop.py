@@ -20,6 +20,7 @@ Invariant for a running row, with h = prompt_length + num_generated tokens of co
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +30,15 @@ from jaxspec import models
 from jaxspec.cache import Cache, KVFormat
 from jaxspec.config import ModelConfig
 from jaxspec.models.qwen35 import Qwen35Config
-from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, repeat_rows, select
+from jaxspec.sampling import NEG_INF, SamplerSpec, SamplingParams, distribution, log_probs, repeat_rows, select
 from jaxspec.sharding import Plan, to_host
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.proposers import Context, Prefill, Proposal, Proposer, Verified
 from jaxspec.spec.tree import DraftTree
-from jaxspec.spec.verify import greedy_accept, positional_seen, rejection_sample
+from jaxspec.spec.verify import accepted_prefix_length, greedy_accept, positional_seen, rejection_sample
+
+if TYPE_CHECKING:
+    from jaxspec.grammar import GrammarTable
 
 # Tree acceptance, by name here so a test can swap in a broken verifier (tests/test_tree_sampling.py).
 tree_rejection_sample = tree_lib.rejection_sample
@@ -63,6 +67,9 @@ class LoopSpec:
     # device. With one, the loop state is pinned to the mesh after the prefill and every round.
     sharding: Plan | None = None
     draft_sharding: Plan | None = None
+    # Log-probs of every committed token and its `logprobs` best alternatives (0: the token's
+    # own only); None: not computed (nothing extra in the program).
+    logprobs: int | None = None
 
     @property
     def cache_options(self) -> dict:  # for models.create_cache: nothing unless asked (other trunks)
@@ -106,6 +113,10 @@ class Request:
     # int32[N]: EOS and the user's stop tokens, padded with -1 to a bucketed N (an array, so a new
     # stop set or ignore_eos does not recompile); None: no stop tokens.
     stop_token_ids: jax.Array | None = None
+    # Constrained decoding (jaxspec.grammar): every row's automaton merged into one table, and
+    # each row's start state (grammar.FREE for an unconstrained row). None: no grammar.
+    grammar: "GrammarTable | None" = None
+    grammar_start: jax.Array | None = None  # int32[B]
 
 
 @struct.dataclass
@@ -128,6 +139,27 @@ class RoundStats:
 
 
 @struct.dataclass
+class TokenLogprobs:
+    """Log-probs of committed tokens under the target's final distribution (jaxspec.sampling.log_probs:
+    processors and temperature, then the grammar's mask), and the best alternatives there.
+    Per round [B, k+1]; in the loop state, over the token history [B, S] (prompt slots unused)."""
+
+    chosen: jax.Array  # float32[B, T]: the committed token's
+    top_ids: jax.Array  # int32[B, T, N]: the N most likely tokens, best first
+    top_logprobs: jax.Array  # float32[B, T, N]
+
+    @classmethod
+    def zeros(cls, batch: int, steps: int, top: int) -> "TokenLogprobs":
+        return cls(jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch, steps, top), jnp.int32),
+                   jnp.zeros((batch, steps, top), jnp.float32))
+
+    def padded_to(self, steps: int) -> "TokenLogprobs":
+        """Padded along T to `steps` (a plain step's one token, as a round of k + 1)."""
+        return jax.tree.map(
+            lambda leaf: jnp.pad(leaf, ((0, 0), (0, steps - leaf.shape[1])) + ((0, 0),) * (leaf.ndim - 2)), self)
+
+
+@struct.dataclass
 class DecodeState:
     cache: Cache  # the target's: a KVCache, or a hybrid trunk's cache (jaxspec.cache.Cache)
     tokens: jax.Array  # int32[B, S]: prompt then generated tokens (EOS included if it ended the row)
@@ -139,6 +171,8 @@ class DecodeState:
     proposer_state: object  # the proposer's own pytree (a draft KV cache, ...), or None
     stats: RoundStats
     target_forwards: jax.Array  # int32[]: decode forwards of the target (prefill excluded)
+    grammar_state: jax.Array | None = None  # int32[B]: each row's automaton state after its committed tokens
+    logprobs: TokenLogprobs | None = None  # over the history [B, S], when LoopSpec.logprobs is set
 
     @property
     def running(self) -> jax.Array:  # bool[B]
@@ -182,12 +216,14 @@ def _scatter_row(row: jax.Array, at: jax.Array, values: jax.Array) -> jax.Array:
 
 
 def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
-                  request: Request, spec: LoopSpec) -> DecodeState:
-    """Append the first `counts[b]` of `new_tokens` [B, T] to each running row.
+                  request: Request, spec: LoopSpec, logprobs: TokenLogprobs | None = None) -> DecodeState:
+    """Append the first `counts[b]` of `new_tokens` [B, T] to each running row (and their
+    log-probs, when the loop keeps them).
 
     Stops are checked at every appended position and the earliest wins: a row whose second
     accepted token is EOS keeps two tokens however many were accepted, and max_new_tokens is
-    never overshot. Finished rows are left untouched.
+    never overshot. Under a grammar, a token after which the grammar is complete (nothing but
+    EOS may follow, or EOS itself) is a stop too. Finished rows are left untouched.
     """
     batch, steps = new_tokens.shape
     size = state.tokens.shape[1]
@@ -199,6 +235,10 @@ def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
     tokens = jax.vmap(_scatter_row)(state.tokens, jnp.where(valid, at, size), new_tokens)
 
     stop_hit = _stop_hits(tokens, at, state.prompt_length, request, spec) & valid
+    grammar_after = None
+    if request.grammar is not None:
+        grammar_after = _walk(request.grammar, state.grammar_state, new_tokens)[:, 1:]  # [B, T]
+        stop_hit |= request.grammar.ended(grammar_after) & valid
     length_hit = (generated_index + 1 >= request.max_new_tokens[:, None]) & valid
     ends = stop_hit | length_hit
     first_end = jnp.argmax(ends, axis=1)  # earliest ending position among the new ones
@@ -214,7 +254,46 @@ def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
     if seen is not None:
         seen_at = jnp.where(offsets < kept[:, None], new_tokens, seen.shape[1])
         seen = jax.vmap(_scatter_row)(seen, seen_at, jnp.ones(seen_at.shape, bool))
-    return state.replace(tokens=tokens, num_generated=num_generated, finish_reason=finish_reason, seen=seen)
+    grammar_state = state.grammar_state
+    if grammar_after is not None:
+        last_kept = jnp.take_along_axis(grammar_after, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
+        grammar_state = jnp.where(kept > 0, last_kept, grammar_state)
+    history_logprobs = state.logprobs
+    if logprobs is not None:
+        write_at = jnp.where(offsets < kept[:, None], at, size)
+        history_logprobs = jax.tree.map(lambda history, new: jax.vmap(_scatter_row)(history, write_at, new),
+                                        history_logprobs, logprobs)
+    return state.replace(tokens=tokens, num_generated=num_generated, finish_reason=finish_reason, seen=seen,
+                         grammar_state=grammar_state, logprobs=history_logprobs)
+
+
+def _walk(grammar: "GrammarTable", start: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The automaton states along each row's tokens: start int32[B], tokens int32[B, T] ->
+    int32[B, T+1], the start and the state after each token (a forbidden one leads to DEAD)."""
+    states = [start]
+    for step in range(tokens.shape[1]):
+        states.append(grammar.advance(states[-1], tokens[:, step]))
+    return jnp.stack(states, axis=1)
+
+
+def _masked(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
+    """Logits with the tokens a grammar forbids at -inf (allowed: bool of the same shape, or None)."""
+    return logits if allowed is None else jnp.where(allowed, logits, NEG_INF)
+
+
+def _token_logprobs(logits: jax.Array, tokens: jax.Array, seen: jax.Array | None, request: Request,
+                    spec: LoopSpec) -> TokenLogprobs:
+    """Log-probs of `tokens` int32[B, T] and the best `spec.logprobs` alternatives, from each
+    position's (grammar-masked) logits [B, T, V] and repetition-penalty context bool[B, T, V]."""
+    batch, steps, vocab = logits.shape
+    flat_seen = None if seen is None else seen.reshape(batch * steps, vocab)
+    logprobs = log_probs(logits.reshape(batch * steps, vocab), repeat_rows(request.sampling, steps), spec.sampler,
+                         flat_seen).reshape(batch, steps, vocab)
+    chosen = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+    if spec.logprobs == 0:
+        return TokenLogprobs(chosen, jnp.zeros((batch, steps, 0), jnp.int32), jnp.zeros((batch, steps, 0)))
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, spec.logprobs)
+    return TokenLogprobs(chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 
 def padded_tokens(tokens: int, batch: int, lanes: int) -> int:
@@ -244,7 +323,8 @@ def _laid_out(state: DecodeState, spec: LoopSpec) -> DecodeState:
     return state.replace(
         cache=plan.constrain(state.cache, state.cache.logical_axes()),
         tokens=rows(state.tokens), prompt_length=rows(state.prompt_length), num_generated=rows(state.num_generated),
-        finish_reason=rows(state.finish_reason), seen=rows(state.seen),
+        finish_reason=rows(state.finish_reason), seen=rows(state.seen), grammar_state=rows(state.grammar_state),
+        logprobs=rows(state.logprobs),
         proposer_state=(spec.draft_sharding or plan).constrain_state(state.proposer_state, state.num_generated.shape[0]),
         stats=stats.replace(rounds=rows(stats.rounds), proposed=rows(stats.proposed), accepted=rows(stats.accepted),
                             multi_token_rounds=rows(stats.multi_token_rounds)),
@@ -268,7 +348,9 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
         seen = jnp.zeros((batch, cfg.vocab_size), bool).at[jnp.arange(batch)[:, None], seen_at].set(
             True, mode="drop")
     key, step_key = jax.random.split(request.key)
-    first = select(logits[:, 0], request.sampling, spec.sampler, step_key, seen)
+    allowed = None if request.grammar is None else request.grammar.allowed(request.grammar_start)  # [B, V]
+    first_logits = _masked(logits[:, 0], allowed)
+    first = select(first_logits, request.sampling, spec.sampler, step_key, seen)
     history = jnp.zeros((batch, spec.capacity), jnp.int32)
     history = history.at[:, :prompt_size].set(jnp.where(in_prompt, request.prompt, 0)[:, :spec.capacity])
     proposer_state = None
@@ -288,8 +370,14 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
         proposer_state=proposer_state,
         stats=RoundStats.zeros(batch, spec.num_draft),
         target_forwards=jnp.zeros((), jnp.int32),
+        grammar_state=request.grammar_start,
+        logprobs=None if spec.logprobs is None else TokenLogprobs.zeros(batch, spec.capacity, spec.logprobs),
     )
-    state = commit_tokens(state, first[:, None], jnp.ones((batch,), jnp.int32), request, spec)
+    first_logprobs = None
+    if spec.logprobs is not None:
+        first_logprobs = _token_logprobs(first_logits[:, None], first[:, None], None if seen is None else seen[:, None],
+                                         request, spec)
+    state = commit_tokens(state, first[:, None], jnp.ones((batch,), jnp.int32), request, spec, first_logprobs)
     return _laid_out(_check_capacity(state, spec), spec)
 
 
@@ -321,6 +409,8 @@ class Outcome:
     hiddens: tuple[jax.Array, ...]  # the proposer's target features at the committed positions, [B, k+1, D]
     cache: Cache  # advanced by each running row's n + 1
     path: jax.Array | None = None  # int32[B, k+1]: a tree's accepted verify indices (root first)
+    num_proposed: jax.Array | None = None  # int32[B]: drafts that stood (a grammar cuts a chain); None: all
+    logprobs: TokenLogprobs | None = None  # of the committed tokens [B, k+1], when LoopSpec.logprobs is set
 
 
 def _filler(tokens: jax.Array, spec: LoopSpec) -> tuple[jax.Array, jax.Array | None]:
@@ -347,19 +437,30 @@ def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, propos
     logits, hiddens, cache = models.forward(params, spec.cfg, verify_tokens, state.cache, logit_indices=logit_indices,
                                             hidden_layers=spec.hidden_layers, **spec.forward_options)
     hiddens = tuple(h[:, :width + 1] for h in hiddens)
+    if request.grammar is not None:
+        # Position i is scored after d_1 .. d_i: it is masked by the state those drafts reach.
+        allowed = request.grammar.allowed(_walk(request.grammar, state.grammar_state, drafts))  # [B, w+1, V]
+        logits = _masked(logits, allowed)
+        if proposal.probs is None:
+            # Point-mass drafts end at the first token the grammar forbids. (Rejecting it would
+            # draw the same: p(x) = 0 there, and p without x is p. Sampled drafts are left to
+            # rejection, which is exact for any q; model drafters already draw from masked q.)
+            permitted = jnp.take_along_axis(allowed[:, :width], drafts[..., None], axis=-1)[..., 0]  # [B, w]
+            num_proposed = jnp.minimum(num_proposed, accepted_prefix_length(permitted))
+    # Each position's repetition-penalty context counts the drafts before it.
+    seen = None if state.seen is None else positional_seen(state.seen, drafts)  # [B, w+1, V]
     if width == 0:
         committed = select(logits[:, 0], request.sampling, spec.sampler, key, state.seen)[:, None]
         accepted = jnp.zeros((batch,), jnp.int32)
     elif spec.sampler.greedy and not spec.sampler.repetition_penalty:
         accepted, committed = greedy_accept(drafts, num_proposed, logits)
     else:
-        # p at every position, each with the drafts before it counted as context (a
-        # repetition penalty sees them). Greedy rows are point masses: the same rule is exact.
-        seen = None if state.seen is None else positional_seen(state.seen, drafts)
+        # p at every position. Greedy rows are point masses: the same rule is exact.
         target_probs = _target_probs(logits, seen, request, spec)
         accepted, committed = rejection_sample(drafts, num_proposed, proposal.probs, target_probs, key)
-    return Outcome(accepted=accepted, committed=committed, hiddens=hiddens,
-                   cache=cache.advance(jnp.where(state.running, accepted + 1, 0)))
+    logprobs = None if spec.logprobs is None else _token_logprobs(logits, committed, seen, request, spec)
+    return Outcome(accepted=accepted, committed=committed, hiddens=hiddens, num_proposed=num_proposed,
+                   cache=cache.advance(jnp.where(state.running, accepted + 1, 0)), logprobs=logprobs)
 
 
 def _target_probs(logits: jax.Array, seen: jax.Array | None, request: Request, spec: LoopSpec) -> jax.Array:
@@ -387,17 +488,41 @@ def _verify_tree(params, state: DecodeState, request: Request, spec: LoopSpec, p
         params, spec.cfg, verify_tokens, state.cache, positions=state.cache.length[:, None] + depths,
         tree_mask=tree_lib.verify_mask(parents, tree.depth, state.cache.length, steps), logit_indices=logit_indices,
         hidden_layers=spec.hidden_layers, **spec.forward_options)
+    logits = logits[:, :size]  # [B, 1+N, V]
+    if request.grammar is not None:
+        # Node v is scored after its path: masked by the state the path reaches. A node the
+        # grammar forbids is never accepted (the masked target gives it p = 0), nor anything below it.
+        logits = _masked(logits, request.grammar.allowed(_tree_walk(request.grammar, state.grammar_state, tokens,
+                                                                    parents)))
+    seen = None if state.seen is None else tree_lib.positional_seen(
+        state.seen, tokens, tree_lib.ancestor_mask(parents, tree.depth))  # [B, 1+N, V]
     if spec.sampler.greedy and not spec.sampler.repetition_penalty:
         outcome = tree_lib.greedy_accept(state.pending, drafts, parents, num_proposed, logits, tree.depth)
     else:
-        seen = None if state.seen is None else tree_lib.positional_seen(
-            state.seen, tokens, tree_lib.ancestor_mask(parents, tree.depth))
         outcome = tree_rejection_sample(state.pending, drafts, parents, num_proposed,
                                         _target_probs(logits, seen, request, spec), key, tree.depth)
     hiddens = tuple(tree_lib.gather_path(h[:, :size], outcome.path) for h in hiddens)
     cache = cache.commit_path(outcome.path).advance(jnp.where(state.running, outcome.accepted + 1, 0))
+    logprobs = None
+    if spec.logprobs is not None:  # each committed token's distribution is its parent's on the path
+        logprobs = _token_logprobs(tree_lib.gather_path(logits, outcome.path), outcome.committed,
+                                   None if seen is None else tree_lib.gather_path(seen, outcome.path), request, spec)
     return Outcome(accepted=outcome.accepted, committed=outcome.committed, hiddens=hiddens, cache=cache,
-                   path=outcome.path)
+                   path=outcome.path, logprobs=logprobs)
+
+
+def _tree_walk(grammar: "GrammarTable", start: jax.Array, tokens: jax.Array, parents: jax.Array) -> jax.Array:
+    """Each tree node's automaton state after its path: start int32[B] (after pending), tokens
+    int32[B, 1+N] (pending, then the nodes), parents int32[B, N] (verify indices, parents before
+    children) -> int32[B, 1+N]."""
+    batch, size = tokens.shape
+    states = jnp.zeros((batch, size), jnp.int32).at[:, 0].set(start)
+
+    def node(v, states):  # node v's parent has its state already
+        parent_state = jnp.take_along_axis(states, parents[:, v - 1:v], axis=1)[:, 0]
+        return states.at[:, v].set(grammar.advance(parent_state, tokens[:, v]))
+
+    return jax.lax.fori_loop(1, size, node, states)
 
 
 def _verify_or_step(verify, params, state: DecodeState, request: Request, spec: LoopSpec, proposal: Proposal,
@@ -420,7 +545,9 @@ def _verify_or_step(verify, params, state: DecodeState, request: Request, spec: 
         return outcome.replace(
             committed=jnp.pad(outcome.committed, ((0, 0), (0, k))),
             hiddens=tuple(jnp.pad(h, ((0, 0), (0, k), (0, 0))) for h in outcome.hiddens),
-            path=None if spec.tree is None else jnp.zeros((proposal.drafts.shape[0], k + 1), jnp.int32))
+            path=None if spec.tree is None else jnp.zeros((proposal.drafts.shape[0], k + 1), jnp.int32),
+            num_proposed=None if spec.tree is not None else outcome.num_proposed,  # as the full branch's
+            logprobs=None if outcome.logprobs is None else outcome.logprobs.padded_to(k + 1))
 
     anything_to_verify = jnp.any((proposal.num_proposed > 0) & state.running)
     return jax.lax.cond(anything_to_verify, full, single, None)
@@ -434,7 +561,8 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
     key, propose_key, verify_key = jax.random.split(state.key, 3)
     if spec.proposer is not None:
         with jax.named_scope("propose"):
-            context = state.context.replace(key=propose_key, sampling=request.sampling)
+            context = state.context.replace(key=propose_key, sampling=request.sampling, grammar=request.grammar,
+                                            grammar_state=state.grammar_state)
             proposal, proposer_state = spec.proposer.propose(draft_params, proposer_state, context)
     else:
         proposal = Proposal(drafts=jnp.zeros((batch, 0), jnp.int32), num_proposed=jnp.zeros((batch,), jnp.int32))
@@ -452,17 +580,18 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
         verified = Verified(accepted=accepted, committed=outcome.committed, num_committed=num_committed,
                             hiddens=outcome.hiddens, path=outcome.path)
         proposer_state = spec.proposer.update(draft_params, proposer_state, verified)
-    reach = proposal.num_proposed
+    num_proposed = proposal.num_proposed if outcome.num_proposed is None else outcome.num_proposed
+    reach = num_proposed
     if spec.tree is not None:  # the deepest real node
         depths = tree_lib.node_depths(proposal.parents, spec.tree.depth)[:, 1:]
         reach = jnp.max(jnp.where(jnp.arange(depths.shape[1])[None, :] < proposal.num_proposed[:, None], depths, 0),
                         axis=1, initial=0)
     state = state.replace(
         cache=outcome.cache, key=key, proposer_state=proposer_state,
-        stats=_count_round(state.stats, running, proposal.num_proposed, reach, accepted, k),
+        stats=_count_round(state.stats, running, num_proposed, reach, accepted, k),
         target_forwards=state.target_forwards + 1,
     )
-    state = commit_tokens(state, outcome.committed, accepted + 1, request, spec)
+    state = commit_tokens(state, outcome.committed, accepted + 1, request, spec, outcome.logprobs)
     return _laid_out(_check_capacity(state, spec), spec)
 
 

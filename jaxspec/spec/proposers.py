@@ -40,7 +40,7 @@ from jaxspec import models
 from jaxspec.models import eagle3, layers, mtp
 from jaxspec.cache import Cache, KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.sampling import SamplerSpec, SamplingParams, distribution
+from jaxspec.sampling import NEG_INF, SamplerSpec, SamplingParams, distribution
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.tree import DraftTree
 
@@ -51,6 +51,19 @@ class Context:
     length: jax.Array  # int32[B]: valid tokens per row; tokens[b, length[b] - 1] is pending
     key: jax.Array | None = None  # PRNG key for this round's draft sampling
     sampling: SamplingParams | None = None
+    # Constrained decoding (jaxspec.grammar): the request's automaton table and each row's state
+    # after its committed tokens. Model drafters draw from their logits masked by it (q masked as
+    # p is), so their drafts stand; None: no grammar.
+    grammar: Any = None
+    grammar_state: jax.Array | None = None  # int32[B]
+
+    def allowed(self, grammar_state: jax.Array | None) -> jax.Array | None:
+        """bool[B, V]: the tokens the grammar allows in each row's `grammar_state`; None without one."""
+        return None if self.grammar is None else self.grammar.allowed(grammar_state)
+
+    def advance(self, grammar_state: jax.Array | None, token: jax.Array) -> jax.Array | None:
+        """Each row's state after drafting `token` int32[B] (None without a grammar)."""
+        return None if self.grammar is None else self.grammar.advance(grammar_state, token)
 
 
 @struct.dataclass
@@ -236,18 +249,22 @@ class DraftModel:
         cache = cache.advance(jnp.full_like(cache.length, 2))
         if self.tree is not None:
             return self._propose_tree(draft_params, cache, logits[:, 0])
-        first, first_probs = _next_token(logits[:, 0], context, 0, self.sample, self.sampler)
+        grammar_state = context.grammar_state
+        first, first_probs = _next_token(logits[:, 0], context, 0, self.sample, self.sampler,
+                                         context.allowed(grammar_state))
 
         def step(carry, index):
-            token, cache = carry
+            token, cache, grammar_state = carry
+            grammar_state = context.advance(grammar_state, token)
             logits, _, cache = models.forward(draft_params, self.config, token[:, None], cache)
             cache = cache.advance(jnp.ones_like(cache.length))
-            following, probs = _next_token(logits[:, 0], context, index, self.sample, self.sampler)
-            return (following, cache), (following, probs)
+            following, probs = _next_token(logits[:, 0], context, index, self.sample, self.sampler,
+                                           context.allowed(grammar_state))
+            return (following, cache, grammar_state), (following, probs)
 
         # A scan, not an unrolled loop: compile time stays flat in k.
-        (_, cache), (rest, rest_probs) = jax.lax.scan(
-            step, (first, cache), jnp.arange(1, self.num_draft))
+        (_, cache, _), (rest, rest_probs) = jax.lax.scan(
+            step, (first, cache, grammar_state), jnp.arange(1, self.num_draft))
         drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, k]
         probs = None
         if self.sample:
@@ -286,12 +303,17 @@ def _tree_proposal(grown: "tree_lib.Grown") -> Proposal:
 
 
 def _next_token(logits: jax.Array, context: Context, step: int, sample: bool,
-                sampler: SamplerSpec | None) -> tuple[jax.Array, jax.Array | None]:
+                sampler: SamplerSpec | None, allowed: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """A draft token [B] from draft logits [B, V] and, when sampling, its distribution q [B, V].
 
     The draft's q needs no repetition penalty: any q is exact as long as drafts are drawn from it.
     `step` (possibly traced) folds into the round's key, so every draft position draws afresh.
+    `allowed` bool[B, V]: a grammar's mask. A row where it allows none of these logits' tokens
+    (a head's small vocabulary may lack them all) drafts unmasked; the verify then cuts the draft.
     """
+    if allowed is not None:
+        allowed = allowed | ~jnp.any(allowed, axis=-1, keepdims=True)
+        logits = jnp.where(allowed, logits, NEG_INF)
     if not sample:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     probs = distribution(logits, context.sampling, dataclasses.replace(sampler, repetition_penalty=False))
@@ -339,15 +361,18 @@ class _FeatureHead:
             next_logits=jnp.take_along_axis(logits, last, axis=1)[:, 0],
         )
 
-    def _draft_token(self, draft_params, logits, context, step):
-        """Head-vocabulary logits -> target token id [B], and q over the target vocabulary."""
-        head_id, head_probs = _next_token(logits, context, step, self.sample, self.sampler)
+    def _draft_token(self, draft_params, logits, context, step, grammar_state=None):
+        """Head-vocabulary logits -> target token id [B], and q over the target vocabulary; under a
+        grammar, drawn from the logits masked by each row's `grammar_state`."""
+        own_vocabulary = logits.shape[-1] == self.vocab_size  # the head speaks the target's vocabulary
+        all_targets = None if own_vocabulary else self._to_target(draft_params, jnp.arange(logits.shape[-1]))
+        allowed = context.allowed(grammar_state)  # [B, V] over the target's vocabulary
+        if allowed is not None and not own_vocabulary:
+            allowed = allowed[:, all_targets]  # [B, Vd]
+        head_id, head_probs = _next_token(logits, context, step, self.sample, self.sampler, allowed)
         token = self._to_target(draft_params, head_id)
-        if head_probs is None:
-            return token, None
-        if logits.shape[-1] == self.vocab_size:  # the head speaks the target's vocabulary
+        if head_probs is None or own_vocabulary:
             return token, head_probs
-        all_targets = self._to_target(draft_params, jnp.arange(logits.shape[-1]))
         probs = jnp.zeros((logits.shape[0], self.vocab_size)).at[:, all_targets].set(head_probs)
         return token, probs
 
@@ -363,17 +388,19 @@ class _FeatureHead:
     def propose(self, draft_params, state: HeadState, context: Context):
         if self.tree is not None:
             return self._propose_tree(draft_params, state)
-        first, first_probs = self._draft_token(draft_params, state.next_logits, context, 0)
+        first, first_probs = self._draft_token(draft_params, state.next_logits, context, 0, context.grammar_state)
         committed_length = state.cache.length
 
         def step(carry, index):
-            token, g, cache = carry
+            token, g, cache, grammar_state = carry
+            grammar_state = context.advance(grammar_state, token)
             logits, g_next, cache = self._step(draft_params, token[:, None], g[:, None], cache)
-            following, probs = self._draft_token(draft_params, logits[:, 0], context, index)
-            return (following, g_next[:, 0], cache.advance(jnp.ones_like(cache.length))), (following, probs)
+            following, probs = self._draft_token(draft_params, logits[:, 0], context, index, grammar_state)
+            return (following, g_next[:, 0], cache.advance(jnp.ones_like(cache.length)), grammar_state), \
+                (following, probs)
 
-        (_, _, cache), (rest, rest_probs) = jax.lax.scan(
-            step, (first, state.g_next, state.cache), jnp.arange(1, self.num_draft))
+        (_, _, cache, _), (rest, rest_probs) = jax.lax.scan(
+            step, (first, state.g_next, state.cache, context.grammar_state), jnp.arange(1, self.num_draft))
         drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, k]
         probs = None
         if self.sample:
