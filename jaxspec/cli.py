@@ -242,8 +242,9 @@ def _generate(args) -> None:
         depths = " ".join(f"{n}:{rounds}" for n, rounds in enumerate(stats.accepted_depths))
         speculation = (f"{stats.method} tree {stats.tree}: tau {stats.tau:.2f}, accepted depth "
                        f"{stats.mean_accepted:.2f} per round (rounds by depth {depths}), ")
+    rate = f"{stats.decode_tokens_per_second:.1f} tok/s decode" if stats.decode_tokens else "no decode step"
     print(
-        f"\n[{stats.new_tokens} tokens, {stats.decode_tokens_per_second:.1f} tok/s decode, {speculation}"
+        f"\n[{stats.new_tokens} tokens, {rate}, {speculation}"
         f"prefill {stats.prompt_tokens} tokens in {stats.prefill_seconds:.2f} s, "
         f"compile {stats.compile_seconds:.1f} s, finish: {stream.result.finish_reason[0]}]",
         file=sys.stderr,

@@ -233,13 +233,13 @@ def _is_choices(value) -> bool:
 
 def _schema_text(value) -> str:
     """A JSON schema as its JSON text (a dict is dumped, so the options stay comparable and a
-    compiled grammar is cached by its text)."""
+    compiled grammar is cached by its text). Keys keep their order: it orders the properties."""
     import json
 
     if isinstance(value, str):
         return value
     try:
-        return json.dumps(value, sort_keys=True)
+        return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError) as err:
         raise InvalidRequestError(f"json_schema is a dict that is not JSON: {err}") from None
 

@@ -152,6 +152,16 @@ def distribution(
     return jnp.where((params.temperature > 0)[:, None], probs, greedy)
 
 
+def masked(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
+    """Logits [..., V] with the tokens `allowed` (bool, same shape; a grammar's mask) forbids at
+    -inf; None: unchanged. A row that allows nothing is left unmasked rather than made all -inf
+    (a draft head's small vocabulary may lack every allowed token; the verify then rejects it)."""
+    if allowed is None:
+        return logits
+    allowed = allowed | ~jnp.any(allowed, axis=-1, keepdims=True)
+    return jnp.where(allowed, logits, NEG_INF)
+
+
 def log_probs(
     logits: jax.Array,
     params: SamplingParams,

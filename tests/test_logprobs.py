@@ -18,7 +18,8 @@ import pytest
 import jaxspec
 from jaxspec import cli
 from jaxspec.models import llama
-from tests.conftest import TINY, reference_logits, requires_default_model
+from jaxspec.cache import KVCache
+from tests.conftest import TINY, requires_default_model
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
@@ -42,6 +43,21 @@ def plain(tiny_model):
     return jaxspec.generate(tiny_model, None, PROMPTS, max_new_tokens=NEW, ignore_eos=True, logprobs=4)
 
 
+_forward = jax.jit(llama.forward, static_argnums=1)
+REFERENCE_LENGTH = 64  # one forward shape for every row: right padding never reaches earlier positions
+
+
+def step_logits(model, prompt: list[int], generated: list[int]) -> np.ndarray:
+    """[len(generated), V]: the logits each generated token was chosen from, from one fresh causal
+    forward over prompt + generated (position len(prompt) - 1 + i produced generated[i])."""
+    sequence = prompt + generated
+    tokens = np.zeros((1, REFERENCE_LENGTH), np.int32)
+    tokens[0, : len(sequence)] = sequence
+    logits, _, _ = _forward(model.params, model.config, jax.numpy.asarray(tokens),
+                            KVCache.create(model.config, 1, REFERENCE_LENGTH))
+    return np.asarray(logits[0, len(prompt) - 1: len(sequence) - 1])
+
+
 def _chosen(result, row) -> np.ndarray:
     return np.array([entry.logprob for entry in result.logprobs[row]])
 
@@ -54,10 +70,10 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def test_plain_logprobs_are_the_models_log_softmax_with_sorted_alternatives(tiny_model, plain):
     for row, prompt in enumerate(PROMPTS):
-        logits_at = reference_logits(tiny_model, prompt, plain.tokens[row])
+        logits = step_logits(tiny_model, prompt, plain.tokens[row])
         assert len(plain.logprobs[row]) == len(plain.tokens[row]) == NEW
         for step, entry in enumerate(plain.logprobs[row]):
-            reference = _log_softmax(np.asarray(logits_at(step)))
+            reference = _log_softmax(logits[step])
             assert entry.token == plain.tokens[row][step]
             np.testing.assert_allclose(entry.logprob, reference[entry.token], rtol=1e-5, atol=1e-5)
             best = np.argsort(-reference)[:4]
@@ -116,10 +132,10 @@ def test_logprobs_follow_the_processors(tiny_model, method):
     result = jaxspec.generate(tiny_model, None, PROMPTS, max_new_tokens=12, ignore_eos=True, logprobs=6, seed=2,
                               method=method, **settings)
     for row, prompt in enumerate(PROMPTS):
-        logits_at = reference_logits(tiny_model, prompt, result.tokens[row])
+        logits = step_logits(tiny_model, prompt, result.tokens[row])
         for step, entry in enumerate(result.logprobs[row]):
             seen = set(prompt) | set(result.tokens[row][:step])
-            reference = _processed(np.asarray(logits_at(step)), seen, settings["temperature"], settings["top_k"],
+            reference = _processed(logits[step], seen, settings["temperature"], settings["top_k"],
                                    settings["repetition_penalty"])
             np.testing.assert_allclose(entry.logprob, reference[entry.token], rtol=1e-4, atol=1e-5)
             # Five tokens survive top-k; the sixth alternative is filtered out.

@@ -30,7 +30,7 @@ from jaxspec import models
 from jaxspec.cache import Cache, KVFormat
 from jaxspec.config import ModelConfig
 from jaxspec.models.qwen35 import Qwen35Config
-from jaxspec.sampling import NEG_INF, SamplerSpec, SamplingParams, distribution, log_probs, repeat_rows, select
+from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, log_probs, masked, repeat_rows, select
 from jaxspec.sharding import Plan, to_host
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.proposers import Context, Prefill, Proposal, Proposer, Verified
@@ -276,11 +276,6 @@ def _walk(grammar: "GrammarTable", start: jax.Array, tokens: jax.Array) -> jax.A
     return jnp.stack(states, axis=1)
 
 
-def _masked(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
-    """Logits with the tokens a grammar forbids at -inf (allowed: bool of the same shape, or None)."""
-    return logits if allowed is None else jnp.where(allowed, logits, NEG_INF)
-
-
 def _token_logprobs(logits: jax.Array, tokens: jax.Array, seen: jax.Array | None, request: Request,
                     spec: LoopSpec) -> TokenLogprobs:
     """Log-probs of `tokens` int32[B, T] and the best `spec.logprobs` alternatives, from each
@@ -349,7 +344,7 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
             True, mode="drop")
     key, step_key = jax.random.split(request.key)
     allowed = None if request.grammar is None else request.grammar.allowed(request.grammar_start)  # [B, V]
-    first_logits = _masked(logits[:, 0], allowed)
+    first_logits = masked(logits[:, 0], allowed)
     first = select(first_logits, request.sampling, spec.sampler, step_key, seen)
     history = jnp.zeros((batch, spec.capacity), jnp.int32)
     history = history.at[:, :prompt_size].set(jnp.where(in_prompt, request.prompt, 0)[:, :spec.capacity])
@@ -440,7 +435,7 @@ def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, propos
     if request.grammar is not None:
         # Position i is scored after d_1 .. d_i: it is masked by the state those drafts reach.
         allowed = request.grammar.allowed(_walk(request.grammar, state.grammar_state, drafts))  # [B, w+1, V]
-        logits = _masked(logits, allowed)
+        logits = masked(logits, allowed)
         if proposal.probs is None:
             # Point-mass drafts end at the first token the grammar forbids. (Rejecting it would
             # draw the same: p(x) = 0 there, and p without x is p. Sampled drafts are left to
@@ -492,7 +487,7 @@ def _verify_tree(params, state: DecodeState, request: Request, spec: LoopSpec, p
     if request.grammar is not None:
         # Node v is scored after its path: masked by the state the path reaches. A node the
         # grammar forbids is never accepted (the masked target gives it p = 0), nor anything below it.
-        logits = _masked(logits, request.grammar.allowed(_tree_walk(request.grammar, state.grammar_state, tokens,
+        logits = masked(logits, request.grammar.allowed(_tree_walk(request.grammar, state.grammar_state, tokens,
                                                                     parents)))
     seen = None if state.seen is None else tree_lib.positional_seen(
         state.seen, tokens, tree_lib.ancestor_mask(parents, tree.depth))  # [B, 1+N, V]
@@ -519,8 +514,10 @@ def _tree_walk(grammar: "GrammarTable", start: jax.Array, tokens: jax.Array, par
     states = jnp.zeros((batch, size), jnp.int32).at[:, 0].set(start)
 
     def node(v, states):  # node v's parent has its state already
-        parent_state = jnp.take_along_axis(states, parents[:, v - 1:v], axis=1)[:, 0]
-        return states.at[:, v].set(grammar.advance(parent_state, tokens[:, v]))
+        parent = jax.lax.dynamic_index_in_dim(parents, v - 1, axis=1, keepdims=True)  # [B, 1]
+        parent_state = jnp.take_along_axis(states, parent, axis=1)[:, 0]
+        token = jax.lax.dynamic_index_in_dim(tokens, v, axis=1, keepdims=False)  # [B]
+        return states.at[:, v].set(grammar.advance(parent_state, token))
 
     return jax.lax.fori_loop(1, size, node, states)
 

@@ -40,7 +40,7 @@ from jaxspec import models
 from jaxspec.models import eagle3, layers, mtp
 from jaxspec.cache import Cache, KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.sampling import NEG_INF, SamplerSpec, SamplingParams, distribution
+from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, masked
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.tree import DraftTree
 
@@ -248,7 +248,7 @@ class DraftModel:
                                          logit_indices=jnp.ones((last_two.shape[0], 1), jnp.int32))
         cache = cache.advance(jnp.full_like(cache.length, 2))
         if self.tree is not None:
-            return self._propose_tree(draft_params, cache, logits[:, 0])
+            return self._propose_tree(draft_params, cache, logits[:, 0], context)
         grammar_state = context.grammar_state
         first, first_probs = _next_token(logits[:, 0], context, 0, self.sample, self.sampler,
                                          context.allowed(grammar_state))
@@ -273,7 +273,7 @@ class DraftModel:
                             probs=probs)
         return proposal, cache
 
-    def _propose_tree(self, draft_params, cache: Cache, root_logits: jax.Array):
+    def _propose_tree(self, draft_params, cache: Cache, root_logits: jax.Array, context: Context):
         """Grow the tree from the catch-up's logits; the cache's length h (the context's) is where
         the scratch slots start, and where it is left."""
         base, top_k = cache.length, self.tree.top_k
@@ -284,7 +284,8 @@ class DraftModel:
                                               positions=positions, tree_mask=mask)
             return logits, carry, cache
 
-        grown, cache = tree_lib.grow(self.tree, root_logits, None, expand, lambda ids: ids, cache)
+        grown, cache = tree_lib.grow(self.tree, root_logits, None, expand, lambda ids: ids, cache,
+                                     tree_lib.GrowGrammar.of(context))
         state = TreeDraftState(cache=cache.set_length(base), scratch_slot=grown.scratch_slot)
         return _tree_proposal(grown), state
 
@@ -311,9 +312,7 @@ def _next_token(logits: jax.Array, context: Context, step: int, sample: bool,
     `allowed` bool[B, V]: a grammar's mask. A row where it allows none of these logits' tokens
     (a head's small vocabulary may lack them all) drafts unmasked; the verify then cuts the draft.
     """
-    if allowed is not None:
-        allowed = allowed | ~jnp.any(allowed, axis=-1, keepdims=True)
-        logits = jnp.where(allowed, logits, NEG_INF)
+    logits = masked(logits, allowed)
     if not sample:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     probs = distribution(logits, context.sampling, dataclasses.replace(sampler, repetition_penalty=False))
@@ -387,7 +386,7 @@ class _FeatureHead:
 
     def propose(self, draft_params, state: HeadState, context: Context):
         if self.tree is not None:
-            return self._propose_tree(draft_params, state)
+            return self._propose_tree(draft_params, state, context)
         first, first_probs = self._draft_token(draft_params, state.next_logits, context, 0, context.grammar_state)
         committed_length = state.cache.length
 
@@ -410,7 +409,7 @@ class _FeatureHead:
         return Proposal(drafts=drafts, num_proposed=jnp.full(first.shape, self.num_draft, jnp.int32),
                         probs=probs), state
 
-    def _propose_tree(self, draft_params, state: HeadState):
+    def _propose_tree(self, draft_params, state: HeadState, context: Context):
         """Grow the tree from the head's next-token logits: each frontier runs as one head step,
         fed its parent's g, at scratch slots past the committed length (rolled back after)."""
         committed_length, top_k = state.cache.length, self.tree.top_k
@@ -421,8 +420,12 @@ class _FeatureHead:
                                                positions=positions, tree_mask=mask)
             return logits, g_next, cache
 
+        vocab_map = None
+        if state.next_logits.shape[-1] != self.vocab_size:  # the head's own ids -> target ids
+            vocab_map = self._to_target(draft_params, jnp.arange(state.next_logits.shape[-1]))
         grown, cache = tree_lib.grow(self.tree, state.next_logits, state.g_next, expand,
-                                     lambda ids: self._to_target(draft_params, ids), state.cache)
+                                     lambda ids: self._to_target(draft_params, ids), state.cache,
+                                     tree_lib.GrowGrammar.of(context, vocab_map))
         return _tree_proposal(grown), state.replace(cache=cache.set_length(committed_length))
 
     def update(self, draft_params, state: HeadState, verified: Verified) -> HeadState:

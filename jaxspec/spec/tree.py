@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import InvalidRequestError, is_integer
+from jaxspec.sampling import masked
 from jaxspec.pallas.flash_decode import TreeMask
 
 MAX_TREE_NODES = 128  # a verify over more than this many tokens costs more than any tree repays
@@ -318,8 +319,34 @@ def frontier_inputs(base: jax.Array, level: int, top_k: int, sees: jax.Array) ->
 Expand = Callable[[Any, jax.Array, Any, int, jax.Array], tuple[jax.Array, Any, Any]]
 
 
+@dataclasses.dataclass(frozen=True)
+class GrowGrammar:
+    """A request's grammar as a tree drafter sees it (trace-time only, not a pytree): children are
+    chosen among the tokens the grammar allows after their path, so a tree's nodes stand."""
+
+    table: Any  # jaxspec.grammar.GrammarTable
+    start: jax.Array  # int32[B]: each row's state after its committed tokens (the root's)
+    vocab_map: jax.Array | None = None  # int32[V']: drafter id -> target id; None: the same vocabulary
+
+    @classmethod
+    def of(cls, context, vocab_map: jax.Array | None = None) -> "GrowGrammar | None":
+        """From a proposer's `Context`; None when the request has no grammar."""
+        return None if context.grammar is None else cls(context.grammar, context.grammar_state, vocab_map)
+
+    def mask(self, logits: jax.Array, states: jax.Array) -> jax.Array:
+        """Drafter logits [B, ..., V'] masked by the states [B, ...] their tokens would follow."""
+        allowed = self.table.allowed(states)  # [B, ..., V]
+        if self.vocab_map is not None:
+            allowed = allowed[..., self.vocab_map]  # [B, ..., V']
+        return masked(logits, allowed)
+
+    def advance(self, states: jax.Array, target_ids: jax.Array) -> jax.Array:
+        return self.table.advance(states, target_ids)
+
+
 def grow(tree: DraftTree, root_logits: jax.Array, root_carry: Any, expand: Expand,
-         to_target: Callable[[jax.Array], jax.Array], state: Any) -> tuple[Grown, Any]:
+         to_target: Callable[[jax.Array], jax.Array], state: Any,
+         grammar: GrowGrammar | None = None) -> tuple[Grown, Any]:
     """EAGLE-2's dynamic tree from a drafter's next-token logits at the root [B, V'].
 
     The root's top_k children are the first frontier. Each of depth - 1 expansions runs the
@@ -333,24 +360,34 @@ def grow(tree: DraftTree, root_logits: jax.Array, root_carry: Any, expand: Expan
     is kept and comes before it. `root_carry` ([B, ...]) is what the root's children run with
     (a feature head's g); `expand` returns each frontier node's carry for its children, and
     threads the drafter's `state` (its cache), returned beside the tree. `to_target` maps drafter
-    ids to target ids.
+    ids to target ids. Under a `grammar`, each node's children are the best among the tokens it
+    allows after the node's path (a forbidden candidate scores -inf and is kept only when fewer
+    than num_nodes candidates are allowed; the target never accepts it).
     """
     K, M = tree.top_k, tree.scratch_slots
     batch = root_logits.shape[0]
     rows = jnp.arange(batch)[:, None]
-    scores, ids = jax.lax.top_k(jax.nn.log_softmax(root_logits.astype(jnp.float32), axis=-1), K)  # [B, K]
+    root_logits = root_logits.astype(jnp.float32)
+    if grammar is not None:
+        root_logits = grammar.mask(root_logits, grammar.start)
+    scores, ids = jax.lax.top_k(jax.nn.log_softmax(root_logits, axis=-1), K)  # [B, K]
     all_scores, all_ids = [scores], [ids]
     all_parents = [jnp.full((batch, K), -1, jnp.int32)]  # candidate index of the parent; -1: the root
     all_slots = [jnp.arange(K, dtype=jnp.int32)[None, :].repeat(batch, 0) if tree.depth > 1
                  else jnp.full((batch, K), -1, jnp.int32)]
     frontier = jnp.arange(K, dtype=jnp.int32)[None, :].repeat(batch, 0)  # [B, K]: candidate indices
     frontier_ids, frontier_scores = ids, scores  # [B, K] each: the frontier's drafter ids and scores
+    if grammar is not None:  # [B, K]: each frontier node's automaton state after its path
+        frontier_states = grammar.advance(jnp.repeat(grammar.start[:, None], K, axis=1), to_target(ids))
     carry = jax.tree.map(lambda x: jnp.repeat(x[:, None], K, axis=1), root_carry)
     sees = jnp.eye(K, M, dtype=bool)[None].repeat(batch, 0)  # [B, K, M]: first frontier at slots 0..K-1
     count = K
     for level in range(1, tree.depth):
         logits, carry, state = expand(state, to_target(frontier_ids), carry, level, sees)  # logits [B, K, V']
-        child_scores, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), K)
+        logits = logits.astype(jnp.float32)
+        if grammar is not None:
+            logits = grammar.mask(logits, frontier_states)
+        child_scores, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), K)
         child_scores = (frontier_scores[:, :, None] + child_scores).reshape(batch, K * K)  # [B, K*K]
         child_ids = child_ids.reshape(batch, K * K)
         all_scores.append(child_scores)
@@ -358,6 +395,9 @@ def grow(tree: DraftTree, root_logits: jax.Array, root_carry: Any, expand: Expan
         all_parents.append(jnp.repeat(frontier, K, axis=1))
         frontier_scores, best = jax.lax.top_k(child_scores, K)  # [B, K]: the next frontier among the children
         frontier_ids = jnp.take_along_axis(child_ids, best, axis=1)
+        if grammar is not None:
+            parent_states = jnp.take_along_axis(frontier_states, best // K, axis=1)
+            frontier_states = grammar.advance(parent_states, to_target(frontier_ids))
         slots = jnp.full((batch, K * K), -1, jnp.int32)
         if level + 1 < tree.depth:  # the next frontier will run, at these scratch slots
             slots = slots.at[rows, best].set(level * K + jnp.arange(K, dtype=jnp.int32)[None, :])
