@@ -4,9 +4,11 @@ the same grammar; the mask's cost per step; the grammar table's build time and m
     . .venv/bin/activate && python bench/structured.py
     . .venv/bin/activate && python bench/structured.py --max-new-tokens 16 --repeats 1 --no-write   # plumbing
 
-Workload: extraction requests (a short text, "answer in JSON") whose answers copy names, places
-and numbers from the prompt, each constrained by a JSON schema (jaxspec.grammar via
-outlines-core), greedy, chat template, one prompt at a time, `--repeats` runs each (median).
+Workload: extraction requests (a short text, "answer in JSON"), each constrained by a JSON schema
+(jaxspec.grammar via outlines-core), in two groups: short fields (names, ages, quantities,
+booleans, dates: short answers with little to copy) and copied fields (long names, emails and
+addresses the answer copies from the prompt: prompt lookup's case). Greedy, chat template, one
+prompt at a time, `--repeats` runs each (median); `--formats` (default f32 and int8 weights).
 Rows: plain, prompt lookup (k = 4) and the shipped EAGLE-3 head (k = 4), constrained; plain
 unconstrained on the same prompts for the mask's end-to-end cost; speedups are against plain
 constrained measured in the same run. Every speculative output is checked token-identical to
@@ -37,7 +39,7 @@ from jaxspec import grammar
 from jaxspec.sampling import masked
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from results_md import replace_section  # noqa: E402
+from results_md import replace_section, weight_formats  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
@@ -52,6 +54,18 @@ EVENT = {"type": "object", "properties": {"event": {"type": "string", "maxLength
                                           "attendees": {"type": "array", "items": {"type": "string", "maxLength": 30},
                                                         "maxItems": 4}},
          "required": ["event", "date", "attendees"]}
+CONTACT = {"type": "object", "properties": {"name": {"type": "string"}, "email": {"type": "string"},
+                                            "address": {"type": "string"}},
+           "required": ["name", "email", "address"]}
+# Long fields copied from the prompt: what prompt lookup is for.
+COPY_REQUESTS = [
+    ("Contact card: name = Maria Gonzalez Ferrer; email = maria.gonzalez.ferrer@example-mail.com; address = "
+     "Carrer de Mallorca 401, 4th floor, 08013 Barcelona, Spain. Give the name, email and address as JSON.", CONTACT),
+    ("From the signature below, give the name, email and address as JSON.\n--\nDr. Thomas Alexander Becker\n"
+     "thomas.becker@university-hamburg.example.de\nMartin-Luther-King-Platz 6, 20146 Hamburg, Germany", CONTACT),
+    ("Shipping label: Priya Ramanathan, 221B Baker Street, Flat 3, London NW1 6XE, United Kingdom "
+     "(priya.ramanathan@fastmail.example.org). Give the name, email and address as JSON.", CONTACT),
+]
 REQUESTS = [
     ("Maria Gonzalez is 34 years old and lives in Barcelona. Give her name, age and city as JSON.", PERSON),
     ("Our new colleague, Thomas Becker, 52, moved here from Hamburg. Give his name, age and city as JSON.", PERSON),
@@ -75,7 +89,7 @@ def _median_run(model, draft, prompt, schema, repeats, max_new_tokens, **options
     return timed[0], seconds
 
 
-def generation_rows(model, head, repeats, max_new_tokens):
+def generation_rows(model, head, repeats, max_new_tokens, requests):
     rows = {}
     configurations = [("plain, no grammar", None, dict(), False), ("plain", None, dict(), True),
                       ("prompt lookup k=4", None, dict(method="ngram", num_draft_tokens=4), True),
@@ -84,7 +98,7 @@ def generation_rows(model, head, repeats, max_new_tokens):
         tokens = seconds = rounds = 0
         proposed = accepted = 0
         outputs = []
-        for prompt, schema in REQUESTS:
+        for prompt, schema in requests:
             result, run_seconds = _median_run(model, draft, prompt, schema if constrained else None, repeats,
                                               max_new_tokens, **options)
             if constrained and result.finish_reason[0] == "stop":  # a complete answer (not cut by the length)
@@ -104,11 +118,29 @@ def generation_rows(model, head, repeats, max_new_tokens):
     return rows
 
 
+def machinery_overhead(model, repeats, new_tokens=48):
+    """Plain decoding with no grammar against the same with a grammar table whose rows are all free
+    (FREE allows every token): the same tokens at the same lengths, so the difference is what the
+    loop's grammar work (walks, masks, end checks) costs per step. -> (free, with table) ms/step."""
+    seconds = {"free": [], "table": []}
+    steps = 0
+    for prompt, _ in REQUESTS:
+        runs = {}
+        for name, options in (("free", {}), ("table", {"regex": [None]})):
+            results = [jaxspec.generate(model, None, prompt, chat=True, max_new_tokens=new_tokens, ignore_eos=True,
+                                        **options) for _ in range(repeats + 1)]
+            runs[name] = results[1:]
+            seconds[name].append(statistics.median(r.stats.decode_seconds for r in results[1:]))
+        assert runs["free"][0].tokens == runs["table"][0].tokens
+        steps += runs["free"][0].stats.rounds
+    return tuple(1000 * sum(seconds[name]) / steps for name in ("free", "table"))
+
+
 def mask_cost(model, tokenizer, repeats=200):
     """Seconds of one verify's mask work (allowed over k + 1 states, then the -inf fill) per layout."""
     compiled = grammar.compile_grammar(tokenizer, model.config.vocab_size, json_schema=json.dumps(EVENT))
     costs = {}
-    for layout in ("dense", "sparse"):
+    for layout in ("dense", "classes", "sparse"):
         table, starts = grammar.build_table([compiled], model.config.vocab_size, layout=layout)
         states = jnp.asarray(starts)[:, None].repeat(5, axis=1)  # [1, k+1]
         logits = jnp.zeros((1, 5, model.config.vocab_size), jnp.float32)
@@ -138,15 +170,16 @@ def build_times(model):
         start = time.perf_counter()
         grammar.compile_grammar(fresh, model.config.vocab_size, json_schema=json.dumps(schema))
         warm = time.perf_counter() - start
+        grammar._cached_table.cache_clear()  # time a build, not the cache
         start = time.perf_counter()
         table, _ = grammar.build_table([compiled], model.config.vocab_size)
         jax.block_until_ready(table)
         build = time.perf_counter() - start
-        dense, _ = grammar.build_table([compiled], model.config.vocab_size, layout="dense")
-        sparse, _ = grammar.build_table([compiled], model.config.vocab_size, layout="sparse")
+        sizes = {layout: grammar.build_table([compiled], model.config.vocab_size, layout=layout)[0].nbytes
+                 for layout in ("dense", "classes", "sparse")}
         times.append(dict(schema=list(schema["properties"]), states=compiled.num_states,
                           transitions=compiled.num_transitions, cold=cold, warm=warm, build=build,
-                          auto=table.layout, dense=dense.nbytes, sparse=sparse.nbytes))
+                          auto=table.layout, **sizes))
     return times
 
 
@@ -155,48 +188,63 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--formats", type=weight_formats, default=["f32", "int8"],
+                        help="weight formats to run, e.g. f32,int8 (default both)")
     args = parser.parse_args()
     jaxspec.set_compile_notices(False)
 
+    lines = ["## Structured output (bench/structured.py)", "",
+             f"SmolLM2-135M on this CPU ({jax.devices()[0].platform}), JSON-schema extraction, two groups: "
+             f"short fields ({len(REQUESTS)} prompts: names, numbers, booleans, dates) and copied fields "
+             f"({len(COPY_REQUESTS)} prompts: long names, emails and addresses the answer copies); greedy, "
+             f"chat template, up to {args.max_new_tokens} new tokens, median of {args.repeats} runs each; "
+             "speedups against plain constrained of the same weight format and group in the same run. Every "
+             "constrained output validates against its schema; the speculative outputs are "
+             "token-identical to plain constrained.", "",
+             "| weights | group | run | tokens | tok/s | ms/step | tau | acceptance | speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    steps = {}
+    for weight_format in args.formats:
+        model = jaxspec.load(weight_format=weight_format)
+        head = jaxspec.load("eagle3-smollm2-135m")
+        for group, requests in (("short", REQUESTS), ("copied", COPY_REQUESTS)):
+            rows = generation_rows(model, head, args.repeats, args.max_new_tokens, requests)
+            plain = rows["plain"]
+            if group == "short":
+                steps[weight_format] = (plain["seconds"] / plain["rounds"],
+                                        rows["plain, no grammar"]["seconds"] / rows["plain, no grammar"]["rounds"])
+            for name, row in rows.items():
+                rate = row["tokens"] / row["seconds"]
+                tau = row["tokens"] / max(row["rounds"], 1)
+                acceptance = f"{row['accepted'] / row['proposed']:.0%}" if row["proposed"] else "-"
+                speedup = rate / (plain["tokens"] / plain["seconds"])
+                lines.append(f"| {weight_format} | {group} | {name} | {row['tokens']} | {rate:.1f} | "
+                             f"{1000 * row['seconds'] / max(row['rounds'], 1):.1f} | {tau:.2f} | {acceptance} | "
+                             f"{speedup:.2f}x |")
+    plain_step, free_step = steps[args.formats[0]]
     model = jaxspec.load()
-    head = jaxspec.load("eagle3-smollm2-135m")
-    rows = generation_rows(model, head, args.repeats, args.max_new_tokens)
-    plain = rows["plain"]
-    plain_step = plain["seconds"] / plain["rounds"]
-    free = rows["plain, no grammar"]
-    free_step = free["seconds"] / free["rounds"]
+    free_ms, table_ms = machinery_overhead(model, args.repeats)
     costs, _ = mask_cost(model, model.tokenizer)
     builds = build_times(model)
-
-    lines = ["## Structured output (bench/structured.py)", "",
-             f"SmolLM2-135M f32 on this CPU ({jax.devices()[0].platform}), JSON-schema extraction: "
-             f"{len(REQUESTS)} prompts, greedy, chat template, up to {args.max_new_tokens} new tokens, "
-             f"median of {args.repeats} runs each; speedups against plain constrained in the same run. "
-             "Every constrained output validates against its schema; the speculative outputs are "
-             "token-identical to plain constrained.", "",
-             "| run | tokens | tok/s | ms/step | tau | acceptance | speedup |", "|---|---|---|---|---|---|---|"]
-    for name, row in rows.items():
-        rate = row["tokens"] / row["seconds"]
-        tau = row["tokens"] / max(row["rounds"], 1)
-        acceptance = f"{row['accepted'] / row['proposed']:.0%}" if row["proposed"] else "-"
-        speedup = rate / (plain["tokens"] / plain["seconds"])
-        lines.append(f"| {name} | {row['tokens']} | {rate:.1f} | {1000 * row['seconds'] / max(row['rounds'], 1):.1f} "
-                     f"| {tau:.2f} | {acceptance} | {speedup:.2f}x |")
-    lines += ["", f"Mask cost per step, end to end: plain constrained {1000 * plain_step:.2f} ms/step against "
-              f"{1000 * free_step:.2f} unconstrained ({plain_step / free_step - 1:+.1%}; the outputs differ, "
-              "so the steps run at different lengths).",
-              "Alone (one verify's mask: `allowed` over [1, k + 1 = 5] states and the -inf fill, jitted):", ""]
+    lines += ["", f"Grammar cost per step, end to end (f32): plain decoding with a grammar table whose rows are all "
+              f"free (every token allowed: the same tokens at the same lengths, {len(REQUESTS)} prompts x 48 tokens) "
+              f"{table_ms:.2f} ms/step against {free_ms:.2f} with none ({table_ms / free_ms - 1:+.1%}: the walks, "
+              "masks and end checks). Constrained against unconstrained on the short group "
+              f"({args.formats[0]}): {1000 * plain_step:.2f} against {1000 * free_step:.2f} ms/step "
+              f"({plain_step / free_step - 1:+.1%}; those outputs differ, so their steps run at other lengths).",
+              "Alone (one verify's mask: `allowed` over [1, k + 1 = 5] states and the -inf fill, jitted, "
+              "for the event schema):", ""]
     lines += ["| layout | table bytes | mask us | share of a plain step |", "|---|---|---|---|"]
     for layout, (seconds, nbytes) in costs.items():
         lines.append(f"| {layout} | {nbytes:,} | {1e6 * seconds:.0f} | {seconds / plain_step:.1%} |")
     lines += ["", "Table build (`compile_grammar` cold: outlines-core's index over the vocabulary, the "
               "tokenizer's byte map built first; warm: cached; `build_table`: the device table):", "",
               "| schema | states | transitions | compile cold s | warm ms | build_table ms | auto layout | dense bytes | "
-              "sparse bytes |", "|---|---|---|---|---|---|---|---|---|"]
+              "classes bytes | sparse bytes |", "|---|---|---|---|---|---|---|---|---|---|"]
     for b in builds:
         lines.append(f"| {', '.join(b['schema'])} | {b['states']} | {b['transitions']:,} | {b['cold']:.2f} | "
                      f"{1000 * b['warm']:.2f} | {1000 * b['build']:.1f} | {b['auto']} | {b['dense']:,} | "
-                     f"{b['sparse']:,} |")
+                     f"{b['classes']:,} | {b['sparse']:,} |")
     report = "\n".join(lines) + "\n"
     print(report)
     if not args.no_write:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import checkpoints, compilation
+from jaxspec import grammar as grammar_lib
 from jaxspec.cache import KVFormat
 from jaxspec.config import ModelConfig
 from jaxspec.errors import InvalidRequestError, check_text, is_integer
@@ -351,8 +352,6 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
         stop_token_ids=jnp.asarray(stop_ids),
     )
     if grammars is not None:
-        from jaxspec import grammar as grammar_lib
-
         table, starts = grammar_lib.build_table(grammars + [None] * filler_rows, cfg.vocab_size)
         request = request.replace(grammar=table, grammar_start=jnp.asarray(starts, jnp.int32))
     if plan is not None:
@@ -379,8 +378,6 @@ def _grammars(model: Model, options: GenerateOptions, rows: int) -> list | None:
         return None
     if model.tokenizer is None:
         raise InvalidRequestError("constrained generation (regex, json_schema, choices) needs the model's tokenizer")
-    from jaxspec import grammar as grammar_lib
-
     compiled = []
     for row_grammar in options.grammars(rows):
         if row_grammar is None:

@@ -30,16 +30,23 @@ Layouts of the table (V = vocab size, Q = states including reserved ones):
 
   * dense: `next` int16 (int32 when Q >= 32768) [Q, V], -1 = forbidden. Two gathers per query; the
     table is Q * V * 2 bytes (96 KiB per state at V=49152).
+  * classes: tokens that every state treats alike form a class (DFA alphabet compression), and the
+    table is `next` [Q, C] over the classes plus `token_class` int32 [V]. A JSON schema's tens of
+    thousands of tokens fall into ~100-300 classes (characters that may appear inside a string,
+    digits, each structural piece, ...), so its table is under a MiB where dense would be 40-400
+    MiB (bench/RESULTS.md): a `maxLength` string has a state per length, each sending tokens of
+    each byte length elsewhere, which no per-state exception list compresses but classes do.
   * sparse: an allowed bitmask uint32 [Q, ceil(V/32)], a per-state `default_next` (the most common
     next state among its allowed tokens) and a CSR list of the exceptions only (tokens whose next
     state differs). A JSON string's inner state (~40k tokens looping to itself) costs one 6 KiB
     bitmask row and no exceptions. `advance` binary-searches the row's exceptions with a static
-    number of steps.
-  * "auto": dense when it fits `DENSE_BUDGET_BYTES`, else sparse.
+    number of steps. For automata whose tokens do not fall into few classes.
+  * "auto": the smallest (dense when tied: one gather fewer).
 
-Both layouts give identical answers; `ended` is a precomputed bool[Q] lookup in both. To limit
-recompiles of a loop that takes the table as an argument, Q and the exception count are padded up
-to powers of two (pad rows behave as DEAD), so similar batches share a trace.
+The layouts give identical answers; `ended` is a precomputed bool[Q] lookup in all. To limit
+recompiles of a loop that takes the table as an argument, Q, C and the exception count are padded
+up to powers of two (pad rows behave as DEAD), so similar batches share a trace. A batch's table
+is cached on its grammars (the same request again builds nothing).
 """
 
 from __future__ import annotations
@@ -68,8 +75,8 @@ __all__ = [
 
 FREE, DEAD, DONE = 0, 1, 2
 NUM_RESERVED = 3
-DENSE_BUDGET_BYTES = 8 << 20  # "auto" picks dense up to here: 8 MiB ~ 85 states at V=49152 (int16)
-LAYOUTS = ("dense", "sparse", "auto")
+DENSE_BUDGET_BYTES = 8 << 20  # "auto" looks at the sparse layout only when the others exceed this
+LAYOUTS = ("dense", "classes", "sparse", "auto")
 
 
 class GrammarError(InvalidRequestError):
@@ -501,13 +508,15 @@ def compile_grammar(tokenizer, vocab_size: int, regex: str | None = None,
 class GrammarTable:
     """A batch's automata in one table; states are int32 indices into it (see module docstring).
 
-    Dense layout: `next` [Q, V] (-1 = forbidden). Sparse layout: `mask` uint32 [Q, ceil(V/32)],
+    Dense layout: `next` [Q, V] (-1 = forbidden). Classes layout: `token_class` int32 [V] and
+    `next` [Q, C] over the token classes. Sparse layout: `mask` uint32 [Q, ceil(V/32)],
     `default_next` int32 [Q], `row_start` int32 [Q+1], `exc_token` / `exc_next` int32 [E]. The
-    fields of the other layout are None.
+    fields of the other layouts are None.
     """
 
     ended_table: jnp.ndarray  # bool [Q]
-    next: jnp.ndarray | None = None  # int16|int32 [Q, V]
+    next: jnp.ndarray | None = None  # int16|int32 [Q, V] (dense) or [Q, C] (classes)
+    token_class: jnp.ndarray | None = None  # int32 [V] (classes): tokens of a class act alike in every state
     mask: jnp.ndarray | None = None  # uint32 [Q, W]
     default_next: jnp.ndarray | None = None  # int32 [Q]
     row_start: jnp.ndarray | None = None  # int32 [Q+1]
@@ -523,14 +532,17 @@ class GrammarTable:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(x.nbytes) for x in (self.ended_table, self.next, self.mask, self.default_next,
-                                           self.row_start, self.exc_token, self.exc_next) if x is not None)
+        return sum(int(x.nbytes) for x in (self.ended_table, self.next, self.token_class, self.mask,
+                                           self.default_next, self.row_start, self.exc_token, self.exc_next)
+                   if x is not None)
 
     def allowed(self, states: jnp.ndarray) -> jnp.ndarray:
         """int32 [...] -> bool [..., V]: the tokens allowed in each state."""
         states = jnp.asarray(states, jnp.int32)
         if self.layout == "dense":
             return self.next[states] >= 0  # [..., V]
+        if self.layout == "classes":
+            return (self.next[states] >= 0)[..., self.token_class]  # [..., C] -> [..., V]
         words = self.mask[states]  # [..., W]
         bits = (words[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1  # [..., W, 32]; token = 32 w + b
         return bits.reshape(*states.shape, -1)[..., : self.vocab_size] != 0  # [..., V]
@@ -538,8 +550,9 @@ class GrammarTable:
     def advance(self, states: jnp.ndarray, tokens: jnp.ndarray) -> jnp.ndarray:
         """int32 [...], int32 [...] -> int32 [...]: the next state; a forbidden token -> DEAD."""
         states, tokens = jnp.asarray(states, jnp.int32), jnp.asarray(tokens, jnp.int32)
-        if self.layout == "dense":
-            target = self.next[states, tokens].astype(jnp.int32)
+        if self.layout in ("dense", "classes"):
+            column = tokens if self.layout == "dense" else self.token_class[tokens]
+            target = self.next[states, column].astype(jnp.int32)
             return jnp.where(target < 0, DEAD, target)
         word = self.mask[states, tokens >> 5]
         allowed = ((word >> (tokens & 31).astype(jnp.uint32)) & 1) != 0
@@ -574,15 +587,87 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (int(n) - 1).bit_length())
 
 
+def _token_classes(src: np.ndarray, tok: np.ndarray, dst: np.ndarray, num_states: int,
+                   vocab_size: int) -> tuple[np.ndarray, int]:
+    """Tokens that every state treats alike (allowed in the same states, leading to the same next
+    states) share a class: int32 [V] class ids and the count. JSON grammars have a few hundred
+    classes over tens of thousands of tokens, so a [Q, C] table replaces [Q, V]. (DFA alphabet
+    compression; the reserved rows allow every token alike, so they need no column of their own.)
+
+    Each token's column is fingerprinted by exact per-token sums of two 64-bit mixes of its (src,
+    dst) pairs, taken 16 bits at a time (bincount sums of 16-bit chunks stay exact in float64 up
+    to 2^37 transitions), plus its transition count; `_class_table` then checks the classes
+    against every transition, so a fingerprint collision could not go unnoticed."""
+    def mix(x: np.ndarray) -> np.ndarray:  # splitmix64's finaliser, on uint64 with wrap-around
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+    with np.errstate(over="ignore"):
+        pair = src.astype(np.uint64) * np.uint64(num_states) + dst.astype(np.uint64)
+        mixes = (mix(pair), mix(pair ^ np.uint64(0x5851F42D4C957F2D)))
+    columns = [np.bincount(tok, minlength=vocab_size).astype(np.float64)]  # [V] each
+    for mixed in mixes:
+        for shift in (0, 16, 32, 48):
+            chunk = ((mixed >> np.uint64(shift)) & np.uint64(0xFFFF)).astype(np.float64)
+            columns.append(np.bincount(tok, weights=chunk, minlength=vocab_size))
+    _, token_class = np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)  # [V, 9] rows
+    token_class = token_class.reshape(-1).astype(np.int32)
+    return token_class, int(token_class.max()) + 1
+
+
+def _class_table(src, tok, dst, token_class, num_classes: int, num_states: int, dtype) -> np.ndarray | None:
+    """next [Q, C] with -1 where forbidden (transitions only; the caller fills the reserved rows),
+    or None when the classes do not hold: a cell two transitions write with different next
+    states, or a token with fewer transitions than its class's column has cells."""
+    table = np.full((num_states, _bucket(num_classes)), -1, dtype)  # padded classes: never used
+    column = token_class[tok]
+    table[src, column] = dst
+    consistent = np.array_equal(table[src, column], dst)
+    cells_per_class = np.count_nonzero(table >= 0, axis=0)[:num_classes]
+    transitions_per_token = np.bincount(tok, minlength=token_class.shape[0])
+    if not (consistent and np.array_equal(transitions_per_token, cells_per_class[token_class])):
+        return None
+    return table
+
+
+def _sparse_bytes(src, tok, dst, num_states: int, vocab_size: int) -> int:
+    """What the sparse layout of these transitions would take (its exceptions counted as built)."""
+    default = np.full(num_states, DEAD, np.int64)
+    if src.size:
+        pairs, counts = np.unique(src * num_states + dst, return_counts=True)
+        pair_src, pair_dst = pairs // num_states, pairs % num_states
+        best = np.lexsort((pair_dst, -counts, pair_src))
+        pair_src, pair_dst = pair_src[best], pair_dst[best]
+        first = np.ones(pair_src.shape, bool)
+        first[1:] = pair_src[1:] != pair_src[:-1]
+        default[pair_src[first]] = pair_dst[first]
+    exceptions = int(np.sum(dst != default[src]))
+    return num_states * (-(-vocab_size // 32) * 4 + 9) + _bucket(exceptions) * 8
+
+
 def build_table(grammars: Sequence[Grammar | None], vocab_size: int,
                 layout: str = "auto") -> tuple[GrammarTable, np.ndarray]:
     """One device table for a batch: `grammars[b]` is row b's Grammar, or None (unconstrained).
 
     Returns (table, initial_states int32 [B]); a None row starts (and stays) in FREE. A Grammar
-    object given for several rows is stored once. `layout`: "dense", "sparse" or "auto".
+    object given for several rows is stored once. `layout`: "dense", "classes", "sparse" or "auto".
+    Cached on the grammars (by identity) and the layout: the same batch again builds nothing.
     """
     if layout not in LAYOUTS:
         raise GrammarError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r:.40}")
+    for row, grammar in enumerate(grammars):
+        if grammar is not None and not isinstance(grammar, Grammar):
+            raise GrammarError(f"grammars[{row}] is a {type(grammar).__name__}, not a Grammar or None")
+    table, initial = _cached_table(tuple(grammars), int(vocab_size), layout)
+    return table, initial.copy()
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_table(grammars: tuple[Grammar | None, ...], vocab_size: int,
+                  layout: str) -> tuple[GrammarTable, np.ndarray]:
+    """build_table's work, for a checked request (the initial states it returns are shared: copied out)."""
     unique: dict[int, tuple[Grammar, int]] = {}  # id -> (grammar, first global state)
     offset = NUM_RESERVED
     initial = np.full(len(grammars), FREE, np.int32)
@@ -622,22 +707,37 @@ def build_table(grammars: Sequence[Grammar | None], vocab_size: int,
     src = np.concatenate([empty, *src_parts]).astype(np.int64)
     tok = np.concatenate([empty, *tok_parts]).astype(np.int64)
     dst = np.concatenate([empty, *dst_parts]).astype(np.int32)
-    order = np.lexsort((tok, src))  # by (src, token)
-    src, tok, dst = src[order], tok[order], dst[order]
-
     dense_dtype = np.int16 if num_states < 32768 else np.int32
-    dense_bytes = num_states * vocab_size * np.dtype(dense_dtype).itemsize
-    if layout == "auto":
-        layout = "dense" if dense_bytes <= DENSE_BUDGET_BYTES else "sparse"
+    itemsize = np.dtype(dense_dtype).itemsize
+    dense_bytes = num_states * vocab_size * itemsize
+    class_table = token_class = None
+    if layout in ("classes", "auto"):
+        token_class, num_classes = _token_classes(src, tok, dst, num_states, vocab_size)
+        class_table = _class_table(src, tok, dst, token_class, num_classes, num_states, dense_dtype)
+        if class_table is None:  # a fingerprint collision: every token its own class (exact)
+            token_class = np.arange(vocab_size, dtype=np.int32)
+            class_table = _class_table(src, tok, dst, token_class, vocab_size, num_states, dense_dtype)
+    if layout == "auto":  # the smallest; the sparse estimate costs a pass, so only when classes are big
+        classes_bytes = class_table.nbytes + vocab_size * 4
+        layout = "dense" if dense_bytes <= classes_bytes else "classes"
+        if min(dense_bytes, classes_bytes) > DENSE_BUDGET_BYTES and \
+                _sparse_bytes(src, tok, dst, num_states, vocab_size) < min(dense_bytes, classes_bytes):
+            layout = "sparse"
 
     ended_table = jnp.asarray(ended)
-    if layout == "dense":
-        table = np.full((num_states, vocab_size), -1, dense_dtype)  # [Q, V]
+    if layout in ("dense", "classes"):
+        if layout == "dense":
+            table = np.full((num_states, vocab_size), -1, dense_dtype)  # [Q, V]
+            table[src, tok] = dst
+        else:
+            table = class_table  # [Q, C]
         table[FREE], table[DEAD], table[DONE] = FREE, DEAD, DONE
         table[used:] = DEAD
-        table[src, tok] = dst
-        return GrammarTable(ended_table=ended_table, next=jnp.asarray(table), layout="dense",
-                            vocab_size=vocab_size), initial
+        return GrammarTable(ended_table=ended_table, next=jnp.asarray(table), layout=layout, vocab_size=vocab_size,
+                            token_class=None if layout == "dense" else jnp.asarray(token_class)), initial
+
+    order = np.lexsort((tok, src))  # by (src, token): the exceptions' CSR needs each row's tokens sorted
+    src, tok, dst = src[order], tok[order], dst[order]
 
     words = -(-vocab_size // 32)
     mask = np.zeros(num_states * words, np.uint32)  # [Q * W]

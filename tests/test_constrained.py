@@ -37,7 +37,7 @@ from jaxspec.models import eagle3, llama
 from jaxspec.sampling import SamplingParams, distribution, spec_for
 from jaxspec.spec import loop
 from jaxspec.tokenizer import Tokenizer
-from tests.test_spec_sampling import SIGNIFICANCE, chi_square_p_value
+from tests.test_spec_sampling import SIGNIFICANCE, assert_broken_run_detected, chi_square_p_value
 
 SPECIALS = ["<unk>", "<s>", "<pad>", "</s>"]  # </s> (id 3) is EOS, as TINY's config says
 PIECES = ['{"', '":', '",', '"}', ' "', "true", "false", "null", "00", "10", "42", "ab", "cd", "the", " the",
@@ -293,14 +293,9 @@ def test_a_verifier_masking_by_the_wrong_state_fails_the_same_test(small, monkey
         return real_walk(grammar_table, start, tokens)
 
     monkeypatch.setattr(loop, "_walk", broken_walk)
-    jax.clear_caches()
     settings = dict(temperature=1.0)
-    try:
-        counts, _ = masked_counts(target, draft_model, settings, method="draft")
-    finally:
-        jax.clear_caches()
-    p_value = chi_square_p_value(counts, exact_masked_joint(target, settings))
-    assert p_value < SIGNIFICANCE, f"the broken mask went undetected: p = {p_value:.2e}"
+    assert_broken_run_detected(lambda: masked_counts(target, draft_model, settings, method="draft"),
+                               exact_masked_joint(target, settings))
 
 
 # ---------------------------------------------------------------------------------------------

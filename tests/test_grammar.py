@@ -29,7 +29,7 @@ from jaxspec.grammar import DEAD, DONE, FREE, GrammarError, build_table, compile
 from jaxspec.tokenizer import Tokenizer
 from tests.conftest import requires_default_model
 
-LAYOUTS = ("dense", "sparse")
+LAYOUTS = ("dense", "classes", "sparse")
 CHATML = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
 
 
@@ -127,13 +127,17 @@ def full_table(table: G.GrammarTable) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 def assert_layouts_agree(grammars, vocab_size):
-    """Both layouts: same initial states and the same allowed/advance/ended on every (state, token)."""
-    (dense, init_d), (sparse, init_s) = (build_table(grammars, vocab_size, layout=lay) for lay in LAYOUTS)
-    assert (dense.layout, sparse.layout) == LAYOUTS
-    np.testing.assert_array_equal(init_d, init_s)
-    for a, b in zip(full_table(dense), full_table(sparse)):
-        np.testing.assert_array_equal(a, b)
-    return dense, sparse, init_d
+    """Every layout: same initial states and the same allowed/advance/ended on every (state, token)
+    as the dense table (the reference: one entry per state and token)."""
+    built = [build_table(grammars, vocab_size, layout=lay) for lay in LAYOUTS]
+    assert tuple(table.layout for table, _ in built) == LAYOUTS
+    (dense, init_d), others = built[0], built[1:]
+    reference = full_table(dense)
+    for table, initial in others:
+        np.testing.assert_array_equal(initial, init_d)
+        for a, b in zip(full_table(table), reference):
+            np.testing.assert_array_equal(a, b)
+    return dense, others[-1][0], init_d
 
 
 def walk(table, start: int, tokens) -> tuple[list[int], list[np.ndarray]]:
@@ -393,10 +397,15 @@ def test_table_sizes_and_layout_choice(byte_level):
     assert dense.next.dtype == jnp.int16 and dense.next.shape == (dense.num_states, byte_level.vocab_size)
     assert sparse.mask.shape == (sparse.num_states, -(-byte_level.vocab_size // 32))
     assert dense.nbytes == dense.next.nbytes + dense.num_states  # + ended bool[Q]
-    assert build_table([grammar], byte_level.vocab_size)[0].layout == "dense"  # small: auto -> dense
+    classes, _ = build_table([grammar], byte_level.vocab_size, layout="classes")
+    # [a-z]{1,3}: the 26 letters act alike, as do all other ordinary tokens, and EOS: few classes.
+    assert classes.next.shape == (classes.num_states, 16) and classes.token_class.shape == (byte_level.vocab_size,)
+    assert classes.nbytes == classes.next.nbytes + classes.token_class.nbytes + classes.num_states
+    auto = build_table([grammar], byte_level.vocab_size)[0]  # the smallest
+    assert auto.layout == "classes" and auto.nbytes == min(dense.nbytes, classes.nbytes)
     unconstrained, initial = build_table([None, None], byte_level.vocab_size)
     assert initial.tolist() == [FREE, FREE] and initial.dtype == np.int32
-    assert unconstrained.layout == "dense" and unconstrained.num_states == 16  # reserved + padding
+    assert unconstrained.num_states == 16  # reserved + padding
 
 
 # --- errors --------------------------------------------------------------------------------------

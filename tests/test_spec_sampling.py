@@ -136,17 +136,23 @@ def _rejection_without_residual(drafts, num_proposed, draft_probs, target_probs,
     return accepted, committed.at[jnp.arange(drafts.shape[0]), accepted].set(redrawn)
 
 
-def test_a_verifier_that_skips_the_residual_fails_the_same_test(target, draft, monkeypatch):
-    monkeypatch.setattr(loop, "rejection_sample", _rejection_without_residual)
-    # The broken verifier must be traced into a fresh program, and not left behind for others.
+def assert_broken_run_detected(run, exact: np.ndarray) -> None:
+    """`run()` -> counts, under a monkeypatched (broken) loop: traced into a fresh program, and
+    not left behind for other tests; its samples must fail the chi-square test against `exact`."""
     jax.clear_caches()
-    settings = dict(temperature=1.0)
     try:
-        counts, _ = sampled_joint(target, draft, settings, method="draft")
+        counts, _ = run()
     finally:
         jax.clear_caches()
-    p_value = chi_square_p_value(counts, exact_joint(target, settings))
-    assert p_value < SIGNIFICANCE, f"the broken verifier went undetected: p = {p_value:.2e}"
+    p_value = chi_square_p_value(counts, exact)
+    assert p_value < SIGNIFICANCE, f"the broken implementation went undetected: p = {p_value:.2e}"
+
+
+def test_a_verifier_that_skips_the_residual_fails_the_same_test(target, draft, monkeypatch):
+    monkeypatch.setattr(loop, "rejection_sample", _rejection_without_residual)
+    settings = dict(temperature=1.0)
+    assert_broken_run_detected(lambda: sampled_joint(target, draft, settings, method="draft"),
+                               exact_joint(target, settings))
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.5])

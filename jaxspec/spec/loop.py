@@ -12,6 +12,12 @@ cache advances; from there the round goes on exactly as a chain's. `generate` ru
 and `decode` as two jitted calls (the host times each); the streaming path calls `prefill` and
 then `stream_step` (a round plus the tokens it committed) from a Python loop.
 
+Under constrained decoding (`Request.grammar`, jaxspec.grammar) each row carries its automaton
+state; a verify masks position i's logits by the state d_1 .. d_i reach (so greedy acceptance and
+rejection sampling both see the masked target), prompt-lookup drafts are cut at the first token
+the grammar forbids, and a row whose grammar is complete stops ("stop"). With `LoopSpec.logprobs`
+every committed token's log-prob under that final distribution is kept beside the history.
+
 Invariant for a running row, with h = prompt_length + num_generated tokens of context:
     tokens[:h] is the prompt then the generated tokens; tokens[h - 1] is `pending` (committed,
     not yet run through the target); cache.length == h - 1.
@@ -20,8 +26,6 @@ Invariant for a running row, with h = prompt_length + num_generated tokens of co
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -29,6 +33,7 @@ from flax import struct
 from jaxspec import models
 from jaxspec.cache import Cache, KVFormat
 from jaxspec.config import ModelConfig
+from jaxspec.grammar import DEAD, GrammarTable
 from jaxspec.models.qwen35 import Qwen35Config
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, log_probs, masked, repeat_rows, select
 from jaxspec.sharding import Plan, to_host
@@ -36,9 +41,6 @@ from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.proposers import Context, Prefill, Proposal, Proposer, Verified
 from jaxspec.spec.tree import DraftTree
 from jaxspec.spec.verify import accepted_prefix_length, greedy_accept, positional_seen, rejection_sample
-
-if TYPE_CHECKING:
-    from jaxspec.grammar import GrammarTable
 
 # Tree acceptance, by name here so a test can swap in a broken verifier (tests/test_tree_sampling.py).
 tree_rejection_sample = tree_lib.rejection_sample
@@ -115,7 +117,7 @@ class Request:
     stop_token_ids: jax.Array | None = None
     # Constrained decoding (jaxspec.grammar): every row's automaton merged into one table, and
     # each row's start state (grammar.FREE for an unconstrained row). None: no grammar.
-    grammar: "GrammarTable | None" = None
+    grammar: GrammarTable | None = None
     grammar_start: jax.Array | None = None  # int32[B]
 
 
@@ -267,7 +269,7 @@ def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
                          grammar_state=grammar_state, logprobs=history_logprobs)
 
 
-def _walk(grammar: "GrammarTable", start: jax.Array, tokens: jax.Array) -> jax.Array:
+def _walk(grammar: GrammarTable, start: jax.Array, tokens: jax.Array) -> jax.Array:
     """The automaton states along each row's tokens: start int32[B], tokens int32[B, T] ->
     int32[B, T+1], the start and the state after each token (a forbidden one leads to DEAD)."""
     states = [start]
@@ -404,7 +406,6 @@ class Outcome:
     hiddens: tuple[jax.Array, ...]  # the proposer's target features at the committed positions, [B, k+1, D]
     cache: Cache  # advanced by each running row's n + 1
     path: jax.Array | None = None  # int32[B, k+1]: a tree's accepted verify indices (root first)
-    num_proposed: jax.Array | None = None  # int32[B]: drafts that stood (a grammar cuts a chain); None: all
     logprobs: TokenLogprobs | None = None  # of the committed tokens [B, k+1], when LoopSpec.logprobs is set
 
 
@@ -434,14 +435,7 @@ def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, propos
     hiddens = tuple(h[:, :width + 1] for h in hiddens)
     if request.grammar is not None:
         # Position i is scored after d_1 .. d_i: it is masked by the state those drafts reach.
-        allowed = request.grammar.allowed(_walk(request.grammar, state.grammar_state, drafts))  # [B, w+1, V]
-        logits = masked(logits, allowed)
-        if proposal.probs is None:
-            # Point-mass drafts end at the first token the grammar forbids. (Rejecting it would
-            # draw the same: p(x) = 0 there, and p without x is p. Sampled drafts are left to
-            # rejection, which is exact for any q; model drafters already draw from masked q.)
-            permitted = jnp.take_along_axis(allowed[:, :width], drafts[..., None], axis=-1)[..., 0]  # [B, w]
-            num_proposed = jnp.minimum(num_proposed, accepted_prefix_length(permitted))
+        logits = masked(logits, request.grammar.allowed(_walk(request.grammar, state.grammar_state, drafts)))
     # Each position's repetition-penalty context counts the drafts before it.
     seen = None if state.seen is None else positional_seen(state.seen, drafts)  # [B, w+1, V]
     if width == 0:
@@ -454,7 +448,7 @@ def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, propos
         target_probs = _target_probs(logits, seen, request, spec)
         accepted, committed = rejection_sample(drafts, num_proposed, proposal.probs, target_probs, key)
     logprobs = None if spec.logprobs is None else _token_logprobs(logits, committed, seen, request, spec)
-    return Outcome(accepted=accepted, committed=committed, hiddens=hiddens, num_proposed=num_proposed,
+    return Outcome(accepted=accepted, committed=committed, hiddens=hiddens,
                    cache=cache.advance(jnp.where(state.running, accepted + 1, 0)), logprobs=logprobs)
 
 
@@ -506,7 +500,7 @@ def _verify_tree(params, state: DecodeState, request: Request, spec: LoopSpec, p
                    path=outcome.path, logprobs=logprobs)
 
 
-def _tree_walk(grammar: "GrammarTable", start: jax.Array, tokens: jax.Array, parents: jax.Array) -> jax.Array:
+def _tree_walk(grammar: GrammarTable, start: jax.Array, tokens: jax.Array, parents: jax.Array) -> jax.Array:
     """Each tree node's automaton state after its path: start int32[B] (after pending), tokens
     int32[B, 1+N] (pending, then the nodes), parents int32[B, N] (verify indices, parents before
     children) -> int32[B, 1+N]."""
@@ -543,7 +537,6 @@ def _verify_or_step(verify, params, state: DecodeState, request: Request, spec: 
             committed=jnp.pad(outcome.committed, ((0, 0), (0, k))),
             hiddens=tuple(jnp.pad(h, ((0, 0), (0, k), (0, 0))) for h in outcome.hiddens),
             path=None if spec.tree is None else jnp.zeros((proposal.drafts.shape[0], k + 1), jnp.int32),
-            num_proposed=None if spec.tree is not None else outcome.num_proposed,  # as the full branch's
             logprobs=None if outcome.logprobs is None else outcome.logprobs.padded_to(k + 1))
 
     anything_to_verify = jnp.any((proposal.num_proposed > 0) & state.running)
@@ -564,6 +557,8 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
     else:
         proposal = Proposal(drafts=jnp.zeros((batch, 0), jnp.int32), num_proposed=jnp.zeros((batch,), jnp.int32))
 
+    if request.grammar is not None and spec.tree is None and proposal.probs is None:
+        proposal = _cut_to_grammar(proposal, state, request)
     running = state.running
     verify = _verify if spec.tree is None else _verify_tree
     with jax.named_scope("verify"):
@@ -577,7 +572,7 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
         verified = Verified(accepted=accepted, committed=outcome.committed, num_committed=num_committed,
                             hiddens=outcome.hiddens, path=outcome.path)
         proposer_state = spec.proposer.update(draft_params, proposer_state, verified)
-    num_proposed = proposal.num_proposed if outcome.num_proposed is None else outcome.num_proposed
+    num_proposed = proposal.num_proposed
     reach = num_proposed
     if spec.tree is not None:  # the deepest real node
         depths = tree_lib.node_depths(proposal.parents, spec.tree.depth)[:, 1:]
@@ -590,6 +585,16 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
     )
     state = commit_tokens(state, outcome.committed, accepted + 1, request, spec, outcome.logprobs)
     return _laid_out(_check_capacity(state, spec), spec)
+
+
+def _cut_to_grammar(proposal: Proposal, state: DecodeState, request: Request) -> Proposal:
+    """Point-mass drafts (prompt lookup, argmax drafts) end at the first token the grammar forbids,
+    before the verify: a round left with no draft in any row runs as a T = 1 step. Exact:
+    rejecting such a draft would draw the same (p(x) = 0 under the mask, and p without x is p).
+    Sampled drafts are left to rejection, exact for any q (model drafters draw from masked q)."""
+    after = _walk(request.grammar, state.grammar_state, proposal.drafts)[:, 1:]  # [B, k]: DEAD once forbidden
+    stands = accepted_prefix_length(after != DEAD)
+    return proposal.replace(num_proposed=jnp.minimum(proposal.num_proposed, stands))
 
 
 @struct.dataclass

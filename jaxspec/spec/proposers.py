@@ -16,7 +16,10 @@ the loop then runs a plain T = 1 step in rounds where no running row has a draft
 
 `context` is the loop's token history: `tokens` int32[B, S] holds each row's prompt and committed
 tokens, `length` int32[B] how many (the last one is the pending token the target has not run);
-plus the round's PRNG key and the request's sampling parameters, for proposers that sample.
+plus the round's PRNG key and the request's sampling parameters, for proposers that sample; and,
+under constrained decoding, the request's grammar table and each row's automaton state, which
+model drafters use to draw each draft from their logits masked by the state their drafts reach
+(`Context.allowed`, `Context.advance`; trees through `tree.GrowGrammar`).
 A proposal's `probs` is the distribution q each draft was drawn from, which lossless rejection
 sampling needs; None means point masses on the drafts (prompt lookup, argmax drafts).
 
@@ -40,6 +43,7 @@ from jaxspec import models
 from jaxspec.models import eagle3, layers, mtp
 from jaxspec.cache import Cache, KVCache
 from jaxspec.config import ModelConfig
+from jaxspec.grammar import GrammarTable
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, masked
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.tree import DraftTree
@@ -54,7 +58,7 @@ class Context:
     # Constrained decoding (jaxspec.grammar): the request's automaton table and each row's state
     # after its committed tokens. Model drafters draw from their logits masked by it (q masked as
     # p is), so their drafts stand; None: no grammar.
-    grammar: Any = None
+    grammar: GrammarTable | None = None
     grammar_state: jax.Array | None = None  # int32[B]
 
     def allowed(self, grammar_state: jax.Array | None) -> jax.Array | None:
