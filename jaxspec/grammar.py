@@ -632,9 +632,11 @@ def _class_table(src, tok, dst, token_class, num_classes: int, num_states: int, 
     return table
 
 
-def _sparse_bytes(src, tok, dst, num_states: int, vocab_size: int) -> int:
-    """What the sparse layout of these transitions would take (its exceptions counted as built)."""
-    default = np.full(num_states, DEAD, np.int64)
+def _default_next(src: np.ndarray, dst: np.ndarray, num_states: int) -> np.ndarray:
+    """int32 [Q]: per state, the next state most of its tokens lead to (ties: the smallest state);
+    DEAD for states without transitions, and each reserved state itself."""
+    default_next = np.full(num_states, DEAD, np.int32)
+    default_next[:NUM_RESERVED] = np.arange(NUM_RESERVED)
     if src.size:
         pairs, counts = np.unique(src * num_states + dst, return_counts=True)
         pair_src, pair_dst = pairs // num_states, pairs % num_states
@@ -642,8 +644,13 @@ def _sparse_bytes(src, tok, dst, num_states: int, vocab_size: int) -> int:
         pair_src, pair_dst = pair_src[best], pair_dst[best]
         first = np.ones(pair_src.shape, bool)
         first[1:] = pair_src[1:] != pair_src[:-1]
-        default[pair_src[first]] = pair_dst[first]
-    exceptions = int(np.sum(dst != default[src]))
+        default_next[pair_src[first]] = pair_dst[first]
+    return default_next
+
+
+def _sparse_bytes(src, tok, dst, num_states: int, vocab_size: int) -> int:
+    """What the sparse layout of these transitions would take (its exceptions counted as built)."""
+    exceptions = int(np.sum(dst != _default_next(src, dst, num_states)[src]))
     return num_states * (-(-vocab_size // 32) * 4 + 9) + _bucket(exceptions) * 8
 
 
@@ -744,19 +751,9 @@ def _cached_table(grammars: tuple[Grammar | None, ...], vocab_size: int,
     # Bits of one state's tokens are distinct, so adding them is or-ing them.
     np.add.at(mask, src * words + (tok >> 5), (np.uint32(1) << (tok & 31).astype(np.uint32)))
     mask = mask.reshape(num_states, words)  # [Q, W]
-    default_next = np.full(num_states, DEAD, np.int32)
-    default_next[:NUM_RESERVED] = np.arange(NUM_RESERVED)
     for state in (FREE, DEAD, DONE, *range(used, num_states)):
         mask[state] = np.uint32(0xFFFFFFFF)
-    if src.size:
-        # default_next: per state, the destination with the most tokens (ties: the smallest state)
-        pairs, counts = np.unique(src * num_states + dst, return_counts=True)
-        pair_src, pair_dst = pairs // num_states, pairs % num_states
-        best = np.lexsort((pair_dst, -counts, pair_src))
-        pair_src, pair_dst = pair_src[best], pair_dst[best]
-        first = np.ones(pair_src.shape, bool)
-        first[1:] = pair_src[1:] != pair_src[:-1]
-        default_next[pair_src[first]] = pair_dst[first]
+    default_next = _default_next(src, dst, num_states)
     exception = dst != default_next[src]
     exc_src, exc_token, exc_next = src[exception], tok[exception].astype(np.int32), dst[exception]
     per_row = np.bincount(exc_src, minlength=num_states)
