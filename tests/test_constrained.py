@@ -66,6 +66,15 @@ def byte_level_tokenizer(tokens: list[str], specials: frozenset[str], eos: str) 
     return Tokenizer(hf, eos_token_id=vocab[eos])
 
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_programs():
+    """This module compiles many programs (grammar tables of several sizes, every method): drop
+    them when it ends, so a worker of the suite does not carry them into later modules' memory."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     characters = [chr(c) for c in range(32, 127)]

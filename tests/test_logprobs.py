@@ -32,6 +32,15 @@ NEW = 20
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_programs():
+    """This module compiles many programs (every method, logprobs on and off): drop
+    them when it ends, so a worker of the suite does not carry them into later modules' memory."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="module")
 def draft_model():
     cfg = dataclasses.replace(TINY, num_layers=1, dim=32, num_heads=2, num_kv_heads=1, ffn_dim=48)
