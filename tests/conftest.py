@@ -34,6 +34,15 @@ HYBRID_CONFIG = qwen35.Qwen35Config(
     num_heads=2, num_kv_heads=1, head_dim=8, rotary_dim=2, linear_num_key_heads=1, linear_num_value_heads=2,
     linear_key_head_dim=4, linear_value_head_dim=4)
 
+@pytest.fixture(scope="module")
+def release_programs():
+    """For a module that compiles many programs (every method, grammar tables of several sizes):
+    drop jit's compiled programs when it ends, so a suite worker does not carry them into later
+    modules' memory. Use with `pytestmark = pytest.mark.usefixtures("release_programs")`."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Model:
     """A 2-layer random model with well-separated logits (scale 0.2) and no tokenizer."""

@@ -39,6 +39,9 @@ from jaxspec.spec import loop
 from jaxspec.tokenizer import Tokenizer
 from tests.test_spec_sampling import SIGNIFICANCE, assert_broken_run_detected, chi_square_p_value
 
+# Many programs compile here: conftest.release_programs drops them when the module ends.
+pytestmark = pytest.mark.usefixtures("release_programs")
+
 SPECIALS = ["<unk>", "<s>", "<pad>", "</s>"]  # </s> (id 3) is EOS, as TINY's config says
 PIECES = ['{"', '":', '",', '"}', ' "', "true", "false", "null", "00", "10", "42", "ab", "cd", "the", " the",
           "  ", "yes", "no", "ma", "ybe", '":"', '","', "]}", "[t", ", ", "e}", "xx", "12", "a,"]
@@ -65,14 +68,6 @@ def byte_level_tokenizer(tokens: list[str], specials: frozenset[str], eos: str) 
     hf.add_special_tokens([tokenizers.AddedToken(token, special=True) for token in specials])
     return Tokenizer(hf, eos_token_id=vocab[eos])
 
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_programs():
-    """This module compiles many programs (grammar tables of several sizes, every method): drop
-    them when it ends, so a worker of the suite does not carry them into later modules' memory."""
-    yield
-    jax.clear_caches()
 
 
 @pytest.fixture(scope="module")

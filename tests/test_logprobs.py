@@ -21,6 +21,9 @@ from jaxspec.models import llama
 from jaxspec.cache import KVCache
 from tests.conftest import TINY, requires_default_model
 
+# Many programs compile here: conftest.release_programs drops them when the module ends.
+pytestmark = pytest.mark.usefixtures("release_programs")
+
 PROMPTS = [
     [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
     [40, 41, 42, 40, 41, 42],
@@ -31,14 +34,6 @@ NEW = 20
 # rounding of the logits (measured up to 1.1e-5 absolute on the default model, at |log p| ~ 5).
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_programs():
-    """This module compiles many programs (every method, logprobs on and off): drop
-    them when it ends, so a worker of the suite does not carry them into later modules' memory."""
-    yield
-    jax.clear_caches()
 
 
 @pytest.fixture(scope="module")
