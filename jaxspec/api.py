@@ -72,11 +72,13 @@ def load(name_or_path: str = DEFAULT_MODEL, *, weight_format: WeightFormat | str
 
 
 def _load_head_dir(path, weight_format: WeightFormat = WeightFormat.AUTO) -> Model | None:
-    """A draft head directory (EAGLE-3, or an MTP head trained by jaxspec.train) as a Model with
+    """A draft head directory (EAGLE-3, a Gemma 4 assistant, or an MTP head trained by jaxspec.train) as a Model with
     no trunk and no tokenizer of its own; None when `path` is not one. In AUTO it stays float32
     until it runs beside a target (`with_weight_format`)."""
     if checkpoints.is_eagle3_dir(path):
         config, params = checkpoints.load_eagle3(path)
+    elif checkpoints.is_assistant_dir(path):
+        config, params = checkpoints.load_assistant(path)
     elif checkpoints.is_mtp_head_dir(path):
         config, params = checkpoints.load_mtp_head(path)
     else:
@@ -273,8 +275,7 @@ def _check_cache_fits(cfg, kv_format: KVFormat | None, batch: int, capacity: int
     a long context and a large max_new_tokens would otherwise fail (or take the machine down)
     deep inside the compiled program. On a mesh, what one device holds of it."""
     kv_format = kv_format or KVFormat()
-    attention_layers = len(getattr(cfg, "attention_layers", range(cfg.num_layers)))
-    needed = batch * capacity * kv_format.bytes_per_token(cfg) // cfg.num_layers * attention_layers
+    needed = batch * capacity * kv_format.bytes_per_token(cfg)
     if plan is not None:
         needed //= plan.data_size * plan.axis_size("kv_heads")
     available = memory_bytes()

@@ -47,6 +47,17 @@ def kv_axes(buffers: tuple[Packed, ...]) -> tuple:
     return jax.tree.map(lambda _: KV_AXES, buffers)
 
 
+def kv_layout(cfg) -> tuple[tuple[int, int], ...]:
+    """(kv heads, head dim) of each K/V buffer a trunk's cache holds: a config's own `kv_layout`
+    where its layers differ (Gemma: global layers' wider heads, KV-shared layers with none), else
+    one uniform buffer per attention layer (`attention_layers`, all layers by default)."""
+    layout = getattr(cfg, "kv_layout", None)
+    if layout is not None:
+        return tuple(layout)
+    layers = getattr(cfg, "attention_layers", range(cfg.num_layers))
+    return ((cfg.num_kv_heads, cfg.head_dim),) * len(layers)
+
+
 class StateRollbackError(JaxspecError):
     """A cache was asked for a length it cannot serve: behind what it can roll back to, or past
     what the last forward wrote (for a recurrent state), or outside [0, capacity]."""
@@ -103,14 +114,15 @@ class KVFormat:
             f"got {spec!r}")
 
     def check(self, cfg: ModelConfig) -> None:
-        """UnsupportedModelError when a block format does not tile the model's head dim."""
-        self.keys.check_head_dim(cfg.head_dim)
-        self.values.check_head_dim(cfg.head_dim)
+        """UnsupportedModelError when a block format does not tile one of the model's head dims."""
+        for head_dim in sorted({head_dim for _, head_dim in kv_layout(cfg)}):
+            self.keys.check_head_dim(head_dim)
+            self.values.check_head_dim(head_dim)
 
     def bytes_per_token(self, cfg: ModelConfig) -> int:
-        """KV bytes one token occupies across all layers and kv heads."""
-        per_head = (self.keys.bytes_per_block + self.values.bytes_per_block) * cfg.head_dim // kv_quant.BLOCK
-        return cfg.num_layers * cfg.num_kv_heads * per_head
+        """KV bytes one token occupies across every KV buffer of the model's cache."""
+        per_element = self.keys.bytes_per_block + self.values.bytes_per_block
+        return sum(heads * head_dim * per_element // kv_quant.BLOCK for heads, head_dim in kv_layout(cfg))
 
     def __str__(self) -> str:
         return f"{self.keys.value}/{self.values.value}"

@@ -51,6 +51,10 @@ class RopeType(str, enum.Enum):
     # Dynamic NTK: transformers grows theta only once a sequence passes max_position_embeddings;
     # within it the frequencies are the default ones, and jaxspec never serves past it.
     DYNAMIC = "dynamic"
+    # Gemma 4's full-attention layers: the first `rotated_fraction` of the head's frequency pairs
+    # turn (exponents over the whole head width), the rest have frequency 0, and rotate-half pairs
+    # dim i with i + H/2 across the whole head. Only trunks that ask for it (gemma.py) parse it.
+    PROPORTIONAL = "proportional"
 
 
 # Types transformers knows that jaxspec refuses, and why (a static cache cannot follow them).
@@ -87,6 +91,7 @@ class RopeScaling:
     mscale_all_dim: float | None = None  # yarn (DeepSeek): its denominator's
     attention_factor: float | None = None  # yarn, longrope: explicit cos/sin scale (else derived)
     short_factor: tuple[float, ...] | None = None  # longrope: R/2 divisors
+    rotated_fraction: float = 1.0  # proportional: the share of the head's frequency pairs that turn
 
     def __post_init__(self):
         # Coerce what a JSON round trip returns (a str, a list) back to the hashable types.
@@ -108,6 +113,8 @@ class RopeScaling:
             raise UnsupportedModelError(f"rope scaling {self.rope_type.value!r} needs {missing}")
         if self.factor <= 0:
             raise UnsupportedModelError(f"rope scaling factor={self.factor} must be > 0")
+        if not 0.0 <= self.rotated_fraction <= 1.0:
+            raise UnsupportedModelError(f"rope partial_rotary_factor={self.rotated_fraction} must be in [0, 1]")
 
     @property
     def attention_scale(self) -> float:
@@ -251,13 +258,14 @@ def resolve_rotary_dim(hf: Mapping[str, Any], head_dim: int) -> int:
     return int(head_dim * factor)
 
 
-def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope_settings(hf: Mapping[str, Any], *, proportional: bool = False) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) from `rope_theta`/`rope_scaling` or transformers 5's `rope_parameters`.
 
     Fields default as transformers' `standardize_rope_params` and `ROPE_INIT_FUNCTIONS` default
     them: original_max_position_embeddings from the top level or max_position_embeddings; a yarn
     or longrope `factor` left out is max_position_embeddings / original. A type jaxspec cannot
-    serve exactly is refused by name, with the reason.
+    serve exactly is refused by name, with the reason. `proportional`: the trunk applies Gemma 4's
+    proportional RoPE over the whole head (rotary_dim = head_dim), so that type is read, not refused.
     """
     params = hf.get("rope_parameters")
     scaling = hf.get("rope_scaling")
@@ -272,6 +280,10 @@ def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None
+    if rope_type == RopeType.PROPORTIONAL.value and proportional:
+        fraction = scaling.get("partial_rotary_factor", 1.0)
+        return theta, RopeScaling(rope_type=RopeType.PROPORTIONAL, factor=real(scaling.get("factor", 1.0)),
+                                  rotated_fraction=real(fraction))
     if rope_type in _REFUSED_ROPE_TYPES:
         raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported: {_REFUSED_ROPE_TYPES[rope_type]}")
     if rope_type not in {t.value for t in RopeType}:

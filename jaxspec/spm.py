@@ -57,8 +57,13 @@ def _proto(path: str):
     return proto
 
 
-def _bpe_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """Every split of a mergeable piece into two pieces, best-scored merged piece first."""
+def bpe_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a mergeable piece into two pieces, best-scored merged piece first.
+
+    sentencepiece (and llama.cpp's SPM tokenizer, for a GGUF's "llama" vocabulary) merge the
+    adjacent pair whose concatenation is the best-scored piece; as BPE merges that is this list.
+    `scores` holds the pieces that may be merged into; `vocab` every piece a half may be.
+    """
     ranked = []
     for merged, score in scores.items():
         for cut in range(1, len(merged)):
@@ -67,6 +72,14 @@ def _bpe_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[s
                 ranked.append((-score, vocab[left], vocab[right], left, right))
     ranked.sort()
     return [(left, right) for *_, left, right in ranked]
+
+
+def sentencepiece_decoder(*, strip_prefix: bool) -> decoders.Decoder:
+    """"▁" back to spaces, `<0xNN>` byte pieces back to bytes, and (`strip_prefix`) the dummy
+    prefix's space removed from the start of the text."""
+    return decoders.Sequence(
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(content=" ", left=1, right=0)] if strip_prefix else []))
 
 
 def tokenizer_from_model_file(path: str | os.PathLike[str]) -> tuple[tokenizers.Tokenizer, SpecialIds]:
@@ -85,7 +98,7 @@ def tokenizer_from_model_file(path: str | os.PathLike[str]) -> tuple[tokenizers.
         vocab = {piece: index for index, (piece, _, _) in enumerate(pieces)}
         mergeable = {piece: score for piece, score, kind in pieces
                      if kind in (piece_type.NORMAL, piece_type.USER_DEFINED)}
-        model = models.BPE(vocab=vocab, merges=_bpe_merges(vocab, mergeable),
+        model = models.BPE(vocab=vocab, merges=bpe_merges(vocab, mergeable),
                            unk_token=None if unk_id is None else pieces[unk_id][0], fuse_unk=True,
                            byte_fallback=trainer.byte_fallback)
     elif trainer.model_type == model_type.UNIGRAM:
@@ -110,9 +123,7 @@ def tokenizer_from_model_file(path: str | os.PathLike[str]) -> tuple[tokenizers.
     # user-defined pieces are cut out (so "a <think> b" keeps the "▁" before and after "<think>").
     hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, split=False,
                                                 prepend_scheme="first" if spec.add_dummy_prefix else "never")
-    hf.decoder = decoders.Sequence(
-        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-        + ([decoders.Strip(content=" ", left=1, right=0)] if spec.add_dummy_prefix else []))
+    hf.decoder = sentencepiece_decoder(strip_prefix=spec.add_dummy_prefix)
 
     special = (piece_type.CONTROL, piece_type.UNKNOWN)
     hf.add_special_tokens([tokenizers.AddedToken(piece, special=True, normalized=False)

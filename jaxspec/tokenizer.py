@@ -20,6 +20,7 @@ import datetime
 import functools
 import json
 import logging
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -182,79 +183,135 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """The tokenizer a GGUF describes, from its metadata (keys exactly as in the file).
 
-        Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is supported; the split regexes are
-        llama.cpp's for `tokenizer.ggml.pre`, the ground truth for what a GGUF means.
+        `tokenizer.ggml.model` "gpt2" (byte-level BPE: the split regexes are llama.cpp's for
+        `tokenizer.ggml.pre`) or "llama" (sentencepiece BPE: merges recovered from the scores,
+        `tokenizer.ggml.add_space_prefix`); llama.cpp's reading is the ground truth for what a GGUF
+        means, defaults included. Without `tokenizer.ggml.eot_token_id`, the tokens llama.cpp takes
+        for end of turn by their text (`gguf_tokenizer.end_of_turn_ids`) end generation too, where
+        the chat template writes them.
         """
         model = metadata.get("tokenizer.ggml.model")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise UnsupportedModelError(
-                f"tokenizer.ggml.model={model!r} is not supported; only byte-level BPE ('gpt2') is"
+                f"tokenizer.ggml.model={model!r} is not supported; only byte-level BPE ('gpt2') and "
+                "sentencepiece BPE ('llama') are"
             )
-        pre = metadata.get("tokenizer.ggml.pre")
-        if pre is None:
-            # llama.cpp does the same, and warns that quality degrades.
-            logger.warning("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer")
-            pre = "default"
-        spec = gguf_tokenizer.PRE_TOKENIZERS.get(pre) if isinstance(pre, str) else None
-        if spec is None:
-            raise UnsupportedModelError(
-                f"tokenizer.ggml.pre={pre!r} is not a supported pre-tokenizer; supported: "
-                f"{', '.join(sorted(gguf_tokenizer.PRE_TOKENIZERS))}"
-            )
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-            if key not in metadata:
-                raise CheckpointError(f"GGUF metadata lacks {key}, needed for a BPE tokenizer")
-        for key in ("tokens", "merges", "token_type"):
+        if "tokenizer.ggml.tokens" not in metadata:
+            raise CheckpointError(f"GGUF metadata lacks tokenizer.ggml.tokens, needed for a {model} tokenizer")
+        for key in ("tokens", "merges", "token_type", "scores"):
             value = metadata.get(f"tokenizer.ggml.{key}", [])
             if not isinstance(value, list):  # a string would be taken as a list of its characters
                 raise CheckpointError(f"GGUF metadata tokenizer.ggml.{key} is a {type(value).__name__}, not an array")
-        tokens, merges = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.merges"]
+        tokens = metadata["tokenizer.ggml.tokens"]
+        if not all(isinstance(token, str) for token in tokens):
+            raise CheckpointError("tokenizer.ggml.tokens holds a value that is not a string")
         token_types = metadata.get("tokenizer.ggml.token_type", [gguf_tokenizer.TokenType.NORMAL] * len(tokens))
         if len(token_types) != len(tokens):
             raise CheckpointError(
                 f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
             )
-        for index, merge in enumerate(merges):
-            if not isinstance(merge, str) or len(merge.split(" ")) != 2:
-                raise CheckpointError(
-                    f"tokenizer.ggml.merges[{index}]={merge!r} is not two tokens separated by one space")
-        if not all(isinstance(token, str) for token in tokens):
-            raise CheckpointError("tokenizer.ggml.tokens holds a value that is not a string")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_types):
+            raise CheckpointError("tokenizer.ggml.token_type holds a value that is not an integer")
+        for key, kind in (("tokenizer.ggml.add_bos_token", bool), ("tokenizer.ggml.add_eos_token", bool),
+                          ("tokenizer.ggml.add_space_prefix", bool), ("tokenizer.chat_template", str)):
+            value = metadata.get(key)
+            if value is not None and not isinstance(value, kind):
+                raise CheckpointError(f"GGUF metadata {key} is {value!r:.60}, not a {kind.__name__}")
 
-        def token_id(key: str) -> int | None:
+        def token_id(key: str, default: int | None = None) -> int | None:
             value = metadata.get(f"tokenizer.ggml.{key}")
             if value is None:
-                return None
+                return default
             if isinstance(value, bool) or not isinstance(value, int):
                 raise CheckpointError(f"tokenizer.ggml.{key}={value!r} is not a token id")
             return value
 
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_types):
-            raise CheckpointError("tokenizer.ggml.token_type holds a value that is not an integer")
-        for key, kind in (("tokenizer.ggml.add_bos_token", bool), ("tokenizer.ggml.add_eos_token", bool),
-                          ("tokenizer.chat_template", str)):
-            value = metadata.get(key)
-            if value is not None and not isinstance(value, kind):
-                raise CheckpointError(f"GGUF metadata {key} is {value!r:.60}, not a {kind.__name__}")
-        hf = _rust_call("GGUF tokenizer metadata does not make a BPE tokenizer",
-                        lambda: gguf_tokenizer.byte_level_bpe(tokens, merges, token_types, spec))
-        _rust_call("the GGUF's BPE tokenizer cannot encode text", lambda: hf.encode("Hello, world! 123"))
-        if metadata.get("tokenizer.chat_template") is not None:
-            _compile_chat_template(metadata["tokenizer.chat_template"])
+        if model == "gpt2":
+            (hf, add_bos), defaults = cls._gguf_byte_level_bpe(metadata, tokens, token_types), {}
+        else:
+            # llama.cpp's SPM defaults where the file names no id (`llama_vocab::impl::load`).
+            defaults = {key: i for key, i in (("bos", 1), ("eos", 2), ("unknown", 0)) if i < len(tokens)}
+            hf = cls._gguf_sentencepiece_bpe(metadata, tokens, token_types,
+                                             token_id("unknown_token_id", defaults.get("unknown")))
+            add_bos = True  # llama.cpp's default for an SPM vocabulary
+        _rust_call(f"the GGUF's {model} tokenizer cannot encode text", lambda: hf.encode("Hello, world! 123"))
+        chat_template = metadata.get("tokenizer.chat_template")
+        if chat_template is not None:
+            _compile_chat_template(chat_template)
+        extra_eos = [i for i in [token_id("eot_token_id"), token_id("eom_token_id")] if i is not None]
+        if token_id("eot_token_id") is None and chat_template is not None:
+            # llama.cpp ends generation at every one of these; here, as for every source, only at
+            # those the template writes (SmolLM2 ends turns with <|im_end|>, and its <|endoftext|>
+            # does not stop a chat, as in transformers).
+            extra_eos += [i for i in gguf_tokenizer.end_of_turn_ids(tokens, token_types) if tokens[i] in chat_template]
         return cls(
             hf,
             vocab_size=len(tokens),
-            bos_token_id=token_id("bos_token_id"),
-            eos_token_id=token_id("eos_token_id"),
-            extra_eos_token_ids=[
-                i for i in [token_id("eot_token_id"), token_id("eom_token_id")] if i is not None
-            ],
+            bos_token_id=token_id("bos_token_id", defaults.get("bos")),
+            eos_token_id=token_id("eos_token_id", defaults.get("eos")),
+            extra_eos_token_ids=extra_eos,
             pad_token_id=token_id("padding_token_id"),
-            unk_token_id=token_id("unknown_token_id"),
-            add_bos=metadata.get("tokenizer.ggml.add_bos_token", spec.add_bos),
+            unk_token_id=token_id("unknown_token_id", defaults.get("unknown")),
+            add_bos=metadata.get("tokenizer.ggml.add_bos_token", add_bos),
             add_eos=metadata.get("tokenizer.ggml.add_eos_token", False),
-            chat_template=metadata.get("tokenizer.chat_template"),
+            chat_template=chat_template,
         )
+
+    @staticmethod
+    def _gguf_pre(metadata: Mapping[str, Any]) -> str:
+        """`tokenizer.ggml.pre`, checked against the pre-tokenizers jaxspec knows."""
+        pre = metadata.get("tokenizer.ggml.pre")
+        if pre is None:
+            # llama.cpp does the same, and warns that quality degrades.
+            logger.warning("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer")
+            pre = "default"
+        if not isinstance(pre, str) or pre not in gguf_tokenizer.PRE_TOKENIZERS:
+            raise UnsupportedModelError(
+                f"tokenizer.ggml.pre={pre!r} is not a supported pre-tokenizer; supported: "
+                f"{', '.join(sorted(gguf_tokenizer.PRE_TOKENIZERS))}"
+            )
+        return pre
+
+    @classmethod
+    def _gguf_byte_level_bpe(cls, metadata: Mapping[str, Any], tokens: list[str],
+                             token_types: list[int]) -> tuple[tokenizers.Tokenizer, bool]:
+        """A "gpt2" GGUF vocabulary's tokenizer, its merges checked, and whether llama.cpp adds BOS
+        for its pre-tokenizer when the file does not say."""
+        spec = gguf_tokenizer.PRE_TOKENIZERS[cls._gguf_pre(metadata)]
+        if "tokenizer.ggml.merges" not in metadata:
+            raise CheckpointError("GGUF metadata lacks tokenizer.ggml.merges, needed for a BPE tokenizer")
+        merges = metadata["tokenizer.ggml.merges"]
+        for index, merge in enumerate(merges):
+            if not isinstance(merge, str) or len(merge.split(" ")) != 2:
+                raise CheckpointError(
+                    f"tokenizer.ggml.merges[{index}]={merge!r} is not two tokens separated by one space")
+        hf = _rust_call("GGUF tokenizer metadata does not make a BPE tokenizer",
+                        lambda: gguf_tokenizer.byte_level_bpe(tokens, merges, token_types, spec))
+        return hf, spec.add_bos
+
+    @staticmethod
+    def _gguf_sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str], token_types: list[int],
+                                unk_token_id: int | None) -> tokenizers.Tokenizer:
+        """A "llama" (SPM) GGUF vocabulary's tokenizer, its scores checked. llama.cpp reads neither
+        `tokenizer.ggml.pre` nor `tokenizer.ggml.merges` for one, and neither does this."""
+        if "tokenizer.ggml.scores" not in metadata:
+            # llama.cpp scores every token 0 then, and merges leftmost first: an order BPE merges
+            # (one rank each) cannot express.
+            raise UnsupportedModelError(
+                "tokenizer.ggml.model='llama' without tokenizer.ggml.scores is not supported: the "
+                "scores rank the merges"
+            )
+        scores = metadata["tokenizer.ggml.scores"]
+        if len(scores) != len(tokens):
+            raise CheckpointError(f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+        for index, score in enumerate(scores):
+            if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+                raise CheckpointError(f"tokenizer.ggml.scores[{index}]={score!r:.60} is not a finite number")
+        add_space_prefix = metadata.get("tokenizer.ggml.add_space_prefix", True)  # llama.cpp's default
+        return _rust_call(
+            "GGUF tokenizer metadata does not make a sentencepiece BPE tokenizer",
+            lambda: gguf_tokenizer.sentencepiece_bpe(tokens, scores, token_types, add_space_prefix=add_space_prefix,
+                                                     unk_token_id=unk_token_id))
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:

@@ -10,7 +10,8 @@ import pytest
 
 from jaxspec.api import Model
 from jaxspec.config import Architecture, ModelConfig
-from jaxspec.models import llama, qwen35
+from jaxspec.config import RopeScaling, RopeType
+from jaxspec.models import gemma, llama, qwen35
 
 TINY = ModelConfig(
     vocab_size=128, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=96,
@@ -33,6 +34,27 @@ HYBRID_CONFIG = qwen35.Qwen35Config(
     vocab_size=32, dim=16, num_layers=2, layer_types=("linear_attention", "full_attention"), ffn_dim=24,
     num_heads=2, num_kv_heads=1, head_dim=8, rotary_dim=2, linear_num_key_heads=1, linear_num_value_heads=2,
     linear_key_head_dim=4, linear_value_head_dim=4)
+
+# Gemma: a Gemma 3 stack (local and global layers, window 4) and a Gemma 4 stack with every
+# optional part (per-layer inputs, KV sharing, values = keys on global layers with wider heads,
+# proportional RoPE, soft-capped logits).
+_LOCAL = gemma.GemmaAttention(num_heads=2, num_kv_heads=1, head_dim=8, rotary_dim=8, rope_theta=10_000.0, window=4)
+GEMMA_CONFIGS = {
+    "gemma3-local-global": gemma.GemmaConfig(
+        generation=3, vocab_size=32, dim=16, num_layers=3,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"), ffn_dim=24, sliding=_LOCAL,
+        full=gemma.GemmaAttention(num_heads=2, num_kv_heads=1, head_dim=8, rotary_dim=8, rope_theta=1e6),
+        query_scale=0.3),
+    "gemma4-shared-per-layer": gemma.GemmaConfig(
+        generation=4, vocab_size=32, dim=16, num_layers=4,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"), ffn_dim=24,
+        sliding=_LOCAL,
+        full=gemma.GemmaAttention(num_heads=2, num_kv_heads=1, head_dim=16, rotary_dim=16, rope_theta=1e6,
+                                  rope_scaling=RopeScaling(rope_type=RopeType.PROPORTIONAL, rotated_fraction=0.25),
+                                  values_from_keys=True),
+        query_scale=1.0, final_logit_softcap=30.0, per_layer_dim=4, per_layer_vocab=32, num_kv_shared_layers=2),
+}
+
 
 @pytest.fixture(scope="module")
 def release_programs():

@@ -17,15 +17,15 @@ import pytest
 
 from jaxspec import models
 from jaxspec.checkpoints import store
-from tests.conftest import HYBRID_CONFIG, LLAMA_CONFIGS
+from tests.conftest import GEMMA_CONFIGS, HYBRID_CONFIG, LLAMA_CONFIGS
 from jaxspec.errors import CheckpointError, InvalidRequestError
-from jaxspec.models import eagle3, llama, mtp, qwen35
+from jaxspec.models import eagle3, gemma, llama, mtp, qwen35
 from jaxspec.models.layers import fuse_projections
 from jaxspec.models.params import is_axes, logical_axes
 from jaxspec.sharding import DEFAULT_RULES
 
 QWEN35 = dataclasses.replace(HYBRID_CONFIG, tie_embeddings=True)
-TRUNKS = {**LLAMA_CONFIGS, "qwen3_5-hybrid": QWEN35}
+TRUNKS = {**LLAMA_CONFIGS, "qwen3_5-hybrid": QWEN35, **GEMMA_CONFIGS}
 EAGLE3 = eagle3.Eagle3Config(dim=16, num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=24, draft_vocab_size=8,
                              vocab_size=32, rope_theta=10000.0, rotary_dim=8, norm_eps=1e-5,
                              max_position_embeddings=64)
@@ -41,7 +41,8 @@ def _init(name: str):
     if name == "mtp-head":
         return mtp.init_params(MTP, key)
     cfg = TRUNKS[name]
-    return (qwen35.init_params if isinstance(cfg, qwen35.Qwen35Config) else llama.init_params)(cfg, key)
+    init = {qwen35.Qwen35Config: qwen35.init_params, gemma.GemmaConfig: gemma.init_params}.get(type(cfg), llama.init_params)
+    return init(cfg, key)
 
 
 @pytest.fixture(scope="module", params=[*sorted(TRUNKS), "eagle3-head", "mtp-head", "llama-untied-fused"])

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
+from jaxspec import models
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams, distribution, spec_for
 from jaxspec.spec import loop, verify
@@ -45,11 +45,11 @@ def exact_joint(model, settings, prompt=PROMPT) -> np.ndarray:
     """p(t1, t2, t3 | prompt) under the processed distribution, by enumeration: [V, V, V]."""
     V = model.config.vocab_size
     spec = spec_for(**settings)
-    forward = jax.jit(llama.forward, static_argnums=1)
+    forward = jax.jit(models.forward, static_argnums=1)  # any trunk family
 
     def next_probs(sequences):  # -> [N, V], each sequence's processed next-token distribution
         tokens = jnp.asarray(sequences, jnp.int32)
-        logits, _, _ = forward(model.params, model.config, tokens, KVCache.create(model.config, len(sequences), 16))
+        logits, _, _ = forward(model.params, model.config, tokens, models.create_cache(model.config, len(sequences), 16))
         seen = np.zeros((len(sequences), V), bool)
         for i, sequence in enumerate(sequences):
             seen[i, sequence] = True

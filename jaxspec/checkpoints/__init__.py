@@ -17,8 +17,10 @@ from jaxspec.checkpoints.assemble import Checkpoint
 from jaxspec.checkpoints.gguf import GGUFFile, GGUFTensorInfo, config_from_gguf, read_gguf
 from jaxspec.checkpoints.heads import (
     has_mtp,
+    is_assistant_dir,
     is_eagle3_dir,
     is_mtp_head_dir,
+    load_assistant,
     load_eagle3,
     load_mtp,
     load_mtp_head,
@@ -42,7 +44,7 @@ from jaxspec.checkpoints.store import cache_dir, file_sha256
 __all__ = [
     "DEFAULT_MODEL", "INSTALL_DEFAULT_MODEL", "JAXSPEC_META", "MTP_HEAD_META", "PACKAGED_HEADS",
     "Checkpoint", "GGUFFile", "GGUFTensorInfo", "cache_dir", "config_from_gguf", "convert",
-    "default_model_path", "file_sha256", "has_mtp", "hf_weight_files", "info", "is_eagle3_dir",
-    "is_mtp_head_dir", "load_checkpoint", "load_eagle3", "load_mtp", "load_mtp_head", "packaged_head_path",
+    "default_model_path", "file_sha256", "has_mtp", "hf_weight_files", "info", "is_assistant_dir", "is_eagle3_dir",
+    "is_mtp_head_dir", "load_checkpoint", "load_assistant", "load_eagle3", "load_mtp", "load_mtp_head", "packaged_head_path",
     "read_gguf", "resolve_model", "save_eagle3", "save_mtp_head",
 ]

@@ -25,7 +25,7 @@ import gguf
 import jax
 import numpy as np
 
-from jaxspec import models
+from jaxspec import gguf_tokenizer, models
 from jaxspec.checkpoints.assemble import assemble_params, check_layer_count, config_values_checked
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models.family import Family, TensorSource
@@ -361,8 +361,17 @@ def config_from_gguf(gf: GGUFFile) -> Any:
 
 
 def gguf_tokenizer_metadata(gf: GGUFFile) -> dict[str, Any]:
-    """The `tokenizer.*` metadata keys, verbatim: what jaxspec.tokenizer builds a tokenizer from."""
-    return {key: value for key, value in gf.metadata.items() if key.startswith("tokenizer.")}
+    """The `tokenizer.*` metadata keys, verbatim: what jaxspec.tokenizer builds a tokenizer from.
+
+    A file without `tokenizer.chat_template` gets its architecture's built-in one, where jaxspec
+    has one (`gguf_tokenizer.builtin_chat_template`: Gemma 3's GGUFs carry none).
+    """
+    metadata = {key: value for key, value in gf.metadata.items() if key.startswith("tokenizer.")}
+    if "tokenizer.chat_template" not in metadata:
+        template = gguf_tokenizer.builtin_chat_template(gf.architecture)
+        if template is not None:
+            metadata["tokenizer.chat_template"] = template
+    return metadata
 
 
 def params_from_gguf(gf: GGUFFile, cfg: Any, *, progress: bool = False) -> Any:

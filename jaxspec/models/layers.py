@@ -16,6 +16,7 @@ Qwen35Config, an EAGLE-3 head's attention config) works, and being frozen they s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -160,6 +161,9 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = N
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
     elif kind is RopeType.YARN:
         inv_freq = _yarn_inv_freq(inv_freq, rotary_dim, theta, scaling)
+    elif kind is RopeType.PROPORTIONAL:  # rotary_dim is the whole head; the tail pairs stand still
+        turning = int(scaling.rotated_fraction * rotary_dim // 2)
+        inv_freq = np.concatenate([inv_freq[:turning], np.zeros(rotary_dim // 2 - turning)]) / scaling.factor
     elif kind is RopeType.LONGROPE:
         if len(scaling.short_factor) != rotary_dim // 2:
             raise UnsupportedModelError(f"longrope short_factor has {len(scaling.short_factor)} entries; "
@@ -196,7 +200,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int) ->
 # ----------------------------------------------------------------------------------------------
 
 
-def _qkv(weights: AttentionParams, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def qkv_projections(weights: AttentionParams, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [N*H (or N*2H), B*T], k and v [K*H, B*T] (no bias): one product when fused, else three."""
     if weights.qkv_proj is None:
         return matmul(weights.q_proj, h), matmul(weights.k_proj, h), matmul(weights.v_proj, h)
@@ -210,7 +214,8 @@ def fuse_projections(params: Any) -> Any:
     which on XLA CPU saves a per-call overhead that dominates products this small."""
 
     def fuse(node: Any) -> Any:
-        if isinstance(node, AttentionParams) and node.qkv_proj is None:
+        if isinstance(node, AttentionParams) and node.qkv_proj is None and None not in (node.k_proj, node.v_proj):
+            # (Gemma's KV-shared layers have no k/v, and attention_k_eq_v layers no v: left as they are.)
             parts = (node.q_proj, node.k_proj, node.v_proj)
             return node.replace(qkv_proj=concat_rows(*parts), qkv_rows=tuple(w.shape[0] for w in parts),
                                 q_proj=None, k_proj=None, v_proj=None)
@@ -259,7 +264,7 @@ def self_attention(
     Returns the output [D, B*T] and the buffers with the T new entries written at `offsets`.
     """
     N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-    q, k, v = _qkv(weights, h)
+    q, k, v = qkv_projections(weights, h)
     if weights.q_bias is not None:
         q, k, v = q + weights.q_bias[:, None], k + weights.k_bias[:, None], v + weights.v_bias[:, None]
     gate = None
@@ -290,13 +295,19 @@ def self_attention(
     return matmul(weights.o_proj, out), keys, values
 
 
-def swiglu(weights: MlpParams, x: jax.Array) -> jax.Array:
-    """The gated MLP down(silu(gate(x)) * up(x)): x [D, B*T] (normed) -> [D, B*T]."""
+def swiglu(weights: MlpParams, x: jax.Array, activation: Callable[[jax.Array], jax.Array] = jax.nn.silu) -> jax.Array:
+    """The gated MLP down(act(gate(x)) * up(x)): x [D, B*T] (normed) -> [D, B*T]. SwiGLU with
+    the default silu; Gemma's GeGLU passes `gelu_tanh`."""
     if weights.gate_up_proj is not None:
         gate, up = jnp.split(matmul(weights.gate_up_proj, x), 2)  # [F, B*T] each
     else:
         gate, up = matmul(weights.gate_proj, x), matmul(weights.up_proj, x)
-    return matmul(weights.down_proj, jax.nn.silu(gate) * up)
+    return matmul(weights.down_proj, activation(gate) * up)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (transformers' `gelu_pytorch_tanh`, Gemma's activation)."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 def output_head(embed: Weight, lm_head: Weight | None) -> Weight:

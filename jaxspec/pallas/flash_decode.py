@@ -70,18 +70,35 @@ class TreeMask:
     visible: jax.Array  # bool[B, T, M]
 
 
-def mask_visible(mask: TreeMask | None, lengths: jax.Array, steps: int, slots: jax.Array) -> jax.Array:
+def mask_visible(mask: TreeMask | None, lengths: jax.Array, steps: int, slots: jax.Array, *,
+                 window: int | None = None, query_positions: jax.Array | None = None) -> jax.Array:
     """bool[B, T, X]: whether query t of each row sees each of `slots` int32[X] (the causal rule
-    `slot <= lengths + t` without a mask)."""
+    `slot <= lengths + t` without a mask).
+
+    window: a sliding-window layer's reach (Gemma's local layers): a context slot s is seen only
+    when s > query position - window, the query at `query_positions` int32[B, T] (default its slot,
+    lengths + t). A context slot's position is its index (rollback by length keeps slot = position);
+    a tree's window slots are the query's ancestors, within the tree's depth of it, and the caller
+    keeps the depth under the window, so the rule there is the mask's alone.
+    """
     if mask is None:
         query_slot = lengths[:, None] + jnp.arange(steps)[None, :]  # [B, T]
-        return slots[None, None, :] <= query_slot[:, :, None]
-    window = mask.visible.shape[-1]
-    offset = slots[None, :] - mask.start[:, None]  # [B, X]: slot's index in the window
-    in_window = (offset >= 0) & (offset < window)
-    picked = jnp.take_along_axis(mask.visible, jnp.clip(offset, 0, window - 1)[:, None, :].repeat(steps, 1),
-                                 axis=2)  # [B, T, X]
-    return (offset < 0)[:, None, :] | (in_window[:, None, :] & picked)
+        visible = slots[None, None, :] <= query_slot[:, :, None]
+        in_tree = jnp.zeros((1, 1, slots.shape[0]), bool)
+    else:
+        width = mask.visible.shape[-1]
+        offset = slots[None, :] - mask.start[:, None]  # [B, X]: slot's index in the window
+        in_window = (offset >= 0) & (offset < width)
+        picked = jnp.take_along_axis(mask.visible, jnp.clip(offset, 0, width - 1)[:, None, :].repeat(steps, 1),
+                                     axis=2)  # [B, T, X]
+        visible = (offset < 0)[:, None, :] | (in_window[:, None, :] & picked)
+        in_tree = (offset >= 0)[:, None, :]
+    if window is None:
+        return visible
+    if query_positions is None:
+        query_positions = lengths[:, None] + jnp.arange(steps)[None, :]
+    near = slots[None, None, :] > query_positions[:, :, None] - window  # [B, T, X]
+    return visible & (near | in_tree)
 
 
 def resolve_attention(attention: Attention | str) -> Attention:
@@ -128,12 +145,15 @@ def _ungrouped(out: jax.Array, steps: int) -> jax.Array:
 # --- reference ---------------------------------------------------------------------------------
 
 def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
-                           mask: TreeMask | None = None, block_s: int = 0, split_size: int = 0,
-                           interpret: bool = False) -> jax.Array:
+                           mask: TreeMask | None = None, window: int | None = None,
+                           query_positions: jax.Array | None = None, scale: float | None = None,
+                           block_s: int = 0, split_size: int = 0, interpret: bool = False) -> jax.Array:
     """Masked softmax attention in float32 jnp: the whole cache, dequantized, in two einsums.
 
     q: [B, T, K, G, H]; keys, values: [B, K, S, H] in any KV format; lengths: int32[B];
-    mask: a `TreeMask` in place of the causal rule. Returns float32 [B, T, K, G, H].
+    mask: a `TreeMask` in place of the causal rule; window, query_positions: a sliding window
+    (`mask_visible`); scale: the factor on q.k (default 1/sqrt(H); Gemma sets its own).
+    Returns float32 [B, T, K, G, H].
     block_s, split_size, interpret: kernel tiling, ignored here.
     """
     del block_s, split_size, interpret
@@ -142,8 +162,10 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
         _check_mask(mask, batch, steps)
     keys, values = kv_quant.dequantize(keys), kv_quant.dequantize(values)  # [B, K, S, H]
     queries = _grouped(q.astype(jnp.float32))  # [B, K, G*T, H]
-    scores = jnp.einsum("BKQH,BKSH->BKQS", queries * (1.0 / math.sqrt(head_dim)), keys)
-    visible = mask_visible(mask, lengths, steps, jnp.arange(capacity))  # [B, T, S]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scores = jnp.einsum("BKQH,BKSH->BKQS", queries * scale, keys)
+    visible = mask_visible(mask, lengths, steps, jnp.arange(capacity), window=window,
+                           query_positions=query_positions)  # [B, T, S]
     visible = jnp.tile(visible, (1, group, 1))  # [B, G*T, S]: rows (g, t)
     scores = jnp.where(visible[:, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -298,7 +320,7 @@ def _window_words(visible: jax.Array, rows: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block_s", "split_size", "interpret"))
-def _flash_decode_pallas(q, keys, values, lengths, mask=None, *, block_s, split_size, interpret):
+def _flash_decode_pallas(q, keys, values, lengths, mask=None, *, scale=None, block_s, split_size, interpret):
     batch, steps, num_kv_heads, group, capacity, head_dim = _check_inputs(q, keys, values, lengths)
     if mask is not None:
         _check_mask(mask, batch, steps)
@@ -332,7 +354,7 @@ def _flash_decode_pallas(q, keys, values, lengths, mask=None, *, block_s, split_
     kernel = functools.partial(
         flash_decode_kernel, key_format=kv_quant.format_of(keys), value_format=kv_quant.format_of(values),
         num_key_leaves=len(key_leaves), steps=steps, window=None if mask is None else mask.visible.shape[2],
-        capacity=capacity, block_s=block_s, scale=1.0 / math.sqrt(head_dim))
+        capacity=capacity, block_s=block_s, scale=1.0 / math.sqrt(head_dim) if scale is None else scale)
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -362,22 +384,23 @@ def _flash_decode_pallas(q, keys, values, lengths, mask=None, *, block_s, split_
 
 
 def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, mask: TreeMask | None = None,
-                 block_s: int = 64, split_size: int = 512, interpret: bool = False) -> jax.Array:
+                 scale: float | None = None, block_s: int = 64, split_size: int = 512,
+                 interpret: bool = False) -> jax.Array:
     """Attention of T queries per row over the cache, as a Pallas kernel.
 
     q: [B, T, K, G, H] (query head k*G + g; RoPE applied, unscaled); keys, values: [B, K, S, H]
     in any KV format (plain arrays or `Q8_0` / `Q5_1`), the T new entries already written at
     `lengths[b] + t`; lengths: int32[B]; mask: a `TreeMask` in place of the causal rule (then
     `lengths` plays no part; every query must see some slot, as a tree node sees itself, or its
-    output is NaN). Returns float32 [B, T, K, G, H].
+    output is NaN); scale: the factor on q.k (default 1/sqrt(H)). Returns float32 [B, T, K, G, H].
     block_s: slots per inner step; split_size: slots per program (S is split across programs);
     both are rounded down to powers of two dividing S. interpret: run in the Pallas interpreter.
     """
     if block_s < 1 or split_size < 1:
         raise InvalidRequestError(f"{block_s=} and {split_size=} must be >= 1")
     kv_quant.check_backend(interpret, "flash_decode")
-    return _flash_decode_pallas(q, keys, values, lengths, mask, block_s=block_s, split_size=split_size,
-                                interpret=interpret)
+    return _flash_decode_pallas(q, keys, values, lengths, mask, scale=scale, block_s=block_s,
+                                split_size=split_size, interpret=interpret)
 
 
 def _path(attention: Attention | str, head_dim: int, capacity: int) -> Attention:
@@ -390,18 +413,25 @@ def _path(attention: Attention | str, head_dim: int, capacity: int) -> Attention
 
 
 def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, mask: TreeMask | None = None,
+           window: int | None = None, query_positions: jax.Array | None = None, scale: float | None = None,
            attention: Attention | str = Attention.AUTO) -> jax.Array:
     """The one dispatch: `flash_decode` or `flash_decode_reference` per the switch.
 
-    Any path takes the reference for prefill-sized T (G*T > MAX_KERNEL_QUERIES)."""
+    Any path takes the reference for prefill-sized T (G*T > MAX_KERNEL_QUERIES), and for a
+    sliding window (`mask_visible`), which the kernel does not take yet (Gemma's local layers run
+    on the reference; its global layers, with their own `scale`, on the kernel)."""
     path = _path(attention, q.shape[-1], _logical_shape(keys)[2])
     if q.shape[1] * q.shape[3] > MAX_KERNEL_QUERIES:
         path = Attention.REFERENCE
+    if window is not None:
+        return flash_decode_reference(q, keys, values, lengths, mask=mask, window=window,
+                                      query_positions=query_positions, scale=scale)
     if path is Attention.PALLAS:
-        return flash_decode(q, keys, values, lengths, mask=mask)
+        return flash_decode(q, keys, values, lengths, mask=mask, scale=scale)
     if path is Attention.INTERPRET:
-        return flash_decode(q, keys, values, lengths, mask=mask, block_s=16, split_size=64, interpret=True)
-    return flash_decode_reference(q, keys, values, lengths, mask=mask)
+        return flash_decode(q, keys, values, lengths, mask=mask, scale=scale, block_s=16, split_size=64,
+                            interpret=True)
+    return flash_decode_reference(q, keys, values, lengths, mask=mask, scale=scale)
 
 
 def quantize_for(attention: Attention | str, head_dim: int, capacity: int):

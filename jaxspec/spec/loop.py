@@ -552,7 +552,7 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
     if spec.proposer is not None:
         with jax.named_scope("propose"):
             context = state.context.replace(key=propose_key, sampling=request.sampling, grammar=request.grammar,
-                                            grammar_state=state.grammar_state)
+                                            grammar_state=state.grammar_state, target_cache=state.cache)
             proposal, proposer_state = spec.proposer.propose(draft_params, proposer_state, context)
     else:
         proposal = Proposal(drafts=jnp.zeros((batch, 0), jnp.int32), num_proposed=jnp.zeros((batch,), jnp.int32))

@@ -16,7 +16,7 @@ from typing import Any
 
 from jaxspec.errors import InvalidRequestError, UnsupportedModelError
 from jaxspec.model import Model, layer_skip
-from jaxspec.models import eagle3, mtp, qwen35
+from jaxspec.models import assistant, eagle3, mtp, qwen35
 from jaxspec.sampling import SamplerSpec
 from jaxspec.spec import proposers
 from jaxspec.spec.tree import DraftTree
@@ -32,6 +32,7 @@ class Method(enum.StrEnum):
     LAYER_SKIP = "layer_skip"  # the target's own first layers
     EAGLE3 = "eagle3"  # an EAGLE-3 head over the target's features
     MTP = "mtp"  # a multi-token-prediction head
+    ASSISTANT = "assistant"  # Gemma 4's shared-KV assistant, reading the target's K/V
 
     @classmethod
     def parse(cls, name: "Method | str") -> "Method":
@@ -50,6 +51,8 @@ class Method(enum.StrEnum):
             return cls.EAGLE3
         if isinstance(config, mtp.MtpConfig):
             return cls.MTP
+        if isinstance(config, assistant.AssistantConfig):
+            return cls.ASSISTANT
         return cls.LAYER_SKIP if getattr(draft, "exit_layer", None) is not None else cls.DRAFT
 
 
@@ -117,11 +120,18 @@ def _check_tree_top_k(options: DraftOptions, vocab: int, whose: str) -> None:
 
 def _refuse_hybrid_tree(config: Any, whose: str, options: DraftOptions) -> None:
     """Trees need an attention-only trunk: a recurrent layer keeps one state per position, and a
-    tree's siblings share a position."""
-    if options.tree is not None and isinstance(config, qwen35.Qwen35Config):
+    tree's siblings share a position. A sliding-window trunk needs the tree shallower than its
+    window (`flash_decode.mask_visible` leaves a node's ancestors to the tree mask alone)."""
+    if options.tree is None:
+        return
+    if isinstance(config, qwen35.Qwen35Config):
         raise UnsupportedModelError(
             f"the {whose} is a Qwen3.5 hybrid: its DeltaNet layers carry one recurrent state per position, "
             f"not per tree node, so draft trees are not supported; use a chain (tree=None)")
+    window = getattr(getattr(config, "sliding", None), "window", None)
+    if window is not None and options.tree.depth >= window:
+        raise InvalidRequestError(f"a draft tree of depth {options.tree.depth} reaches past the {whose}'s sliding "
+                                  f"window of {window} positions; use a depth below {window}")
 
 
 def _refuse_draft(method: Method, draft: Model | None) -> None:
@@ -231,6 +241,19 @@ def _mtp(target: Model, head: Model | None, options: DraftOptions, sampler: Samp
     return Speculation(Method.MTP, proposer, head)
 
 
+def _assistant(target: Model, head: Model | None, options: DraftOptions, sampler: SamplerSpec) -> Speculation:
+    if not isinstance(head, Model) or not isinstance(head.config, assistant.AssistantConfig):
+        raise InvalidRequestError("method='assistant' needs draft_params: a Gemma 4 assistant from "
+                                  "jaxspec.load(ASSISTANT_DIR)")
+    assistant.check_target(head.config, target.config)
+    _check_tree_top_k(options, head.config.vocab_size, "assistant")
+    sample = _samples_drafts(sampler, options)
+    proposer = proposers.SharedKVAssistant(num_draft=options.num_draft, config=head.config,
+                                           target_config=target.config, sample=sample,
+                                           sampler=sampler if sample else None, tree=options.tree)
+    return Speculation(Method.ASSISTANT, proposer, head)
+
+
 Builder = Callable[[Model, "Model | None", DraftOptions, SamplerSpec], Speculation]
 
 BUILDERS: dict[Method, Builder] = {
@@ -240,6 +263,7 @@ BUILDERS: dict[Method, Builder] = {
     Method.LAYER_SKIP: _layer_skip,
     Method.EAGLE3: _eagle3,
     Method.MTP: _mtp,
+    Method.ASSISTANT: _assistant,
 }
 
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import models
-from jaxspec.models import eagle3, layers, mtp
+from jaxspec.models import assistant, eagle3, layers, mtp
 from jaxspec.cache import Cache, KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.grammar import GrammarTable
@@ -60,6 +60,9 @@ class Context:
     # p is), so their drafts stand; None: no grammar.
     grammar: GrammarTable | None = None
     grammar_state: jax.Array | None = None  # int32[B]
+    # The target's cache (its length the committed tokens, `length - 1`): what a shared-KV
+    # assistant attends over, read in place. Other proposers ignore it.
+    target_cache: Cache | None = None
 
     def allowed(self, grammar_state: jax.Array | None) -> jax.Array | None:
         """bool[B, V]: the tokens the grammar allows in each row's `grammar_state`; None without one."""
@@ -518,3 +521,83 @@ class Mtp(_FeatureHead):
 
     def _create_cache(self, batch, capacity):
         return mtp.create_cache(self.config, batch, capacity)
+
+
+@struct.dataclass
+class AssistantState:
+    hidden: jax.Array  # [B, D_b]: the target's final-normed hidden state at the position before the pending token
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SharedKVAssistant:
+    """Gemma 4's shared-KV assistant (jaxspec.models.assistant): no cache of its own, no prefill.
+
+    Each draft step reads the target's K/V in place from the loop's cache (`Context.target_cache`,
+    committed length = the pending token's position p), at the constant position p, fed the
+    previous token's target embedding and a hidden state: the target's final-normed hidden before
+    the pending token for the first draft (kept in the state from the prefill and each verify,
+    at the last accepted position), the assistant's own post-projection after. Chains draw argmax
+    or sampled drafts (q for the verify); a tree's nodes each run one step from their parent's
+    token and hidden, top_k children each.
+
+    draft_params: {"assistant": its params, "embed": the target's embedding [V, D_b]}.
+    """
+
+    num_draft: int
+    config: "assistant.AssistantConfig"
+    target_config: Any  # the target's GemmaConfig: which of its layers hold the K/V, its embedding scale
+    sample: bool = False
+    sampler: SamplerSpec | None = None
+    tree: DraftTree | None = None
+    name: str = "assistant"
+
+    @property
+    def target_hidden_layers(self) -> tuple[int, ...]:
+        return (self.target_config.num_layers,)  # the stream after the final norm
+
+    def draft_inputs(self, target_params, draft_model_params):
+        return {"assistant": draft_model_params, "embed": target_params.embed}
+
+    def init(self, draft_params, prefill: Prefill, capacity: int) -> AssistantState:
+        last = (prefill.prompt_length - 1)[:, None, None]
+        return AssistantState(hidden=jnp.take_along_axis(prefill.hiddens[0], last, axis=1)[:, 0])
+
+    def update(self, draft_params, state: AssistantState, verified: Verified) -> AssistantState:
+        # Over [pending, d_1 .. d_k] (a tree's accepted path), index n produced the new pending token.
+        hidden = jnp.take_along_axis(verified.hiddens[0], verified.accepted[:, None, None], axis=1)[:, 0]
+        return state.replace(hidden=jnp.where((verified.num_committed > 0)[:, None], hidden, state.hidden))
+
+    def _step(self, draft_params, tokens: jax.Array, hidden: jax.Array, target_cache: Cache):
+        return assistant.forward(draft_params["assistant"], self.config, self.target_config, draft_params["embed"],
+                                 tokens, hidden, target_cache)
+
+    def propose(self, draft_params, state: AssistantState, context: Context):
+        pending = jnp.take_along_axis(context.tokens, (context.length - 1)[:, None], axis=1)[:, 0]
+        if self.tree is not None:
+            return self._propose_tree(draft_params, state, context, pending)
+
+        def step(carry, index):
+            token, hidden, grammar_state = carry
+            logits, hidden = self._step(draft_params, token[:, None], hidden[:, None], context.target_cache)
+            draft, probs = _next_token(logits[:, 0], context, index, self.sample, self.sampler,
+                                       context.allowed(grammar_state))
+            return (draft, hidden[:, 0], context.advance(grammar_state, draft)), (draft, probs)
+
+        _, (drafts, probs) = jax.lax.scan(step, (pending, state.hidden, context.grammar_state),
+                                          jnp.arange(self.num_draft))
+        probs = jnp.swapaxes(probs, 0, 1) if self.sample else None  # [B, k, V]
+        return Proposal(drafts=drafts.T, num_proposed=jnp.full(pending.shape, self.num_draft, jnp.int32),
+                        probs=probs), state
+
+    def _propose_tree(self, draft_params, state: AssistantState, context: Context, pending: jax.Array):
+        """The root's children from one step on the pending token; each frontier then runs as T = top_k
+        independent steps (the nodes do not see each other: the assistant attends to the target only)."""
+        logits, hidden = self._step(draft_params, pending[:, None], state.hidden[:, None], context.target_cache)
+
+        def expand(target_cache, tokens, hiddens, level, sees):
+            logits, hiddens = self._step(draft_params, tokens, hiddens, target_cache)
+            return logits, hiddens, target_cache
+
+        grown, _ = tree_lib.grow(self.tree, logits[:, 0], hidden[:, 0], expand, lambda ids: ids, context.target_cache,
+                                 tree_lib.GrowGrammar.of(context, None))
+        return _tree_proposal(grown), state
