@@ -2,9 +2,12 @@
 
     . .venv/bin/activate && python bench/decode.py
     . .venv/bin/activate && python bench/decode.py --max-new-tokens 8 --repeats 1 --no-write   # plumbing
+    . .venv/bin/activate && python bench/decode.py --model gemma3-270m --bf16-repeats 0   # Gemma-3-270M
 
-Default model (SmolLM2-135M-Instruct Q4_1 GGUF), batch 1, 128 greedy tokens (`ignore_eos=True`)
-on 5 Spec-Bench prompts from different categories, chat template on. Engines:
+Default model (SmolLM2-135M-Instruct Q4_1 GGUF; `--model` picks another of MODELS, e.g. gemma3-270m:
+Gemma-3-270M, the pretrained base model, Q4_K_M GGUF, fed plain prompts without its chat
+template), batch 1, 128 greedy tokens (`ignore_eos=True`) on 5 Spec-Bench prompts from different
+categories, chat template on (for the default model). Engines:
 - jaxspec in each of `--formats` (default f32,bf16,int8), each loaded with
   `jaxspec.load(weight_format=...)`: the GGUF dequantized to float32, then kept as float32,
   converted to bfloat16, or quantized to int8 per row (W8A8 products on CPU). The first bf16 /
@@ -25,8 +28,9 @@ Engines run interleaved (prompt by prompt, side by side) so that drift on a shar
 them alike; every figure is a median. On a loaded machine the run is bounded: no new pass after
 --max-seconds, and each bf16 row (jaxspec's and HF's: XLA CPU and torch have no fast bf16
 product here) runs --bf16-repeats passes and stops after a call slower than --slow-call. The
-result table replaces the `## Plain decoding (bench/decode.py)` section of bench/RESULTS.md
-(other sections are kept).
+result table replaces the model's own section of bench/RESULTS.md, `## Plain decoding
+(bench/decode.py)` for the default model and e.g. `## Gemma-3-270M: plain decoding
+(bench/decode.py --model gemma3-270m)` for Gemma (other sections are kept).
 
 llama-cpp-python is optional (`pip install -e '.[bench]'`). Its default build targets the build
 machine's own CPU and segfaults on this one; build it portable:
@@ -38,8 +42,8 @@ to stderr. Its threads wait for each other at every op by spinning (OpenMP): whe
 take a core, n_threads=2 collapses (seconds per token seen here at load average 3); run the
 benchmark on a quiet machine, or set OMP_WAIT_POLICY=passive (the header records it).
 
-Roofline: one decode step reads every weight once (the whole params pytree: 30 layers plus the
-tied embedding as LM head), so tokens/s <= bandwidth / weight bytes, per engine in its own
+Roofline: one decode step reads every weight once (the whole params pytree: every layer plus the
+tied embedding as LM head; for Gemma-3-270M the 262,144-token embedding is most of it), so tokens/s <= bandwidth / weight bytes, per engine in its own
 format (llama.cpp: the GGUF's tensor bytes). Bandwidth is measured here, two ways: a 1 GiB
 float32 `np.copyto` ((read + written bytes) / time) and a jax GEMV `W @ x` with W float32
 [8192, 16384] (W bytes / time).
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -56,6 +61,7 @@ import os
 import pathlib
 import subprocess
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -70,6 +76,24 @@ HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_QUESTIONS = HERE / "data" / "spec_bench" / "question.jsonl"
 DEFAULT_RESULTS = HERE / "RESULTS.md"
 SECTION = "## Plain decoding (bench/decode.py)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """What the benchmark needs to know about one model `--model` names."""
+
+    title: str  # the model and its file, in the report's header
+    chat: bool  # prompts through the tokenizer's chat template (an instruction-tuned model) or plain
+    section: str  # its own RESULTS.md section
+
+
+DEFAULT_MODEL = "smollm2-135m"
+MODELS = {
+    DEFAULT_MODEL: ModelSettings("SmolLM2-135M-Instruct Q4_1 GGUF", chat=True, section=SECTION),
+    "gemma3-270m": ModelSettings(
+        "Gemma-3-270M (the pretrained base model, not instruction-tuned) Q4_K_M GGUF", chat=False,
+        section="## Gemma-3-270M: plain decoding (bench/decode.py --model gemma3-270m)"),
+}
 # One prompt (the first in file order) from each of these categories.
 CATEGORIES = ("writing", "coding", "math_reasoning", "translation", "qa")
 RERUN = ". .venv/bin/activate && python bench/decode.py"
@@ -235,11 +259,16 @@ def load_llama_cpp(path: pathlib.Path, threads: int, context: int) -> LlamaCpp |
     return LlamaCpp(path, threads, context)
 
 
-def run_jaxspec(model, text: str, new_tokens: int) -> dict:
+def encode(tokenizer, text: str, chat: bool) -> list[int]:
+    """The prompt's ids as jaxspec.generate(chat=chat) builds them."""
+    return tokenizer.encode_chat(text) if chat else tokenizer.encode(text)
+
+
+def run_jaxspec(model, text: str, new_tokens: int, chat: bool) -> dict:
     import jaxspec
 
     start = time.perf_counter()
-    result = jaxspec.generate(model, None, text, chat=True, max_new_tokens=new_tokens, ignore_eos=True)
+    result = jaxspec.generate(model, None, text, chat=chat, max_new_tokens=new_tokens, ignore_eos=True)
     total = time.perf_counter() - start
     stats = result.stats
     assert stats.new_tokens == new_tokens, stats
@@ -270,8 +299,9 @@ def build_report(args, prompts, prompt_lengths, runs, weight_bytes, bandwidths, 
     engines = list(runs)
     n = len(prompts)
     jx = runs[REFERENCE]
+    settings = MODELS[args.model]
     lines = []
-    lines.append(f"{SECTION}\n")
+    lines.append(f"{settings.section}\n")
     has_hf = any(name.startswith("HF ") for name in runs)
     versions = [peer_versions()] if has_hf else []
     weights = ["jaxspec" + (" and HF dequantize" if has_hf else " dequantizes")
@@ -285,13 +315,14 @@ def build_report(args, prompts, prompt_lengths, runs, weight_bytes, bandwidths, 
         f"{os.cpu_count()} cores, shared (1-minute load average {machine['load'][0]:.1f} at the start, "
         f"{machine['load'][1]:.1f} at the end; engines interleaved prompt by prompt, medians over "
         f"{n} prompts x {machine['passes']} pass(es){_bounded_note(runs, n)}); "
-        f"{', '.join([f'jax {jax.__version__}', *versions])}. SmolLM2-135M-Instruct Q4_1 GGUF: "
+        f"{', '.join([f'jax {jax.__version__}', *versions])}. {settings.title}: "
         f"{', '.join(weights)}; batch 1, {args.max_new_tokens} greedy tokens (`ignore_eos`"
-        f"{'; llama.cpp suppresses EOS instead' if LLAMA_CPP in runs else ''}), chat "
-        f"template, Spec-Bench prompts: "
+        f"{'; llama.cpp suppresses EOS instead' if LLAMA_CPP in runs else ''}), "
+        f"{'chat template' if settings.chat else 'plain prompts (chat=False: no chat template, a base model)'}, "
+        f"Spec-Bench prompts: "
         + ", ".join(f"{c} #{qid} ({k} tokens)" for (c, qid, _), k in zip(prompts, prompt_lengths))
         + f". Total benchmark run {machine['seconds']:.0f} s.\n")
-    lines.append(f"Rerun: `{RERUN}`\n")
+    lines.append(f"Rerun: `{RERUN}{''.join(' ' + shlex.quote(a) for a in args.argv)}`\n")
     lines.append("jaxspec load / first-call compile: " + ", ".join(
         f"{fmt} {load_s:.1f} s / {compile_s:.1f} s" for fmt, (load_s, compile_s) in startup.items()) + ".\n")
     lines.append("| engine | decode tok/s | end-to-end tok/s | decode vs HF f32 | end-to-end vs HF f32 "
@@ -390,9 +421,9 @@ def _commit() -> str:
         return "(not a git checkout)"
 
 
-def write_section(path: pathlib.Path, section: str) -> None:
-    """Replace this script's section of RESULTS.md, keep the rest."""
-    replace_section(path, SECTION, section)
+def write_section(path: pathlib.Path, section: str, model: str = DEFAULT_MODEL) -> None:
+    """Replace this script's section of RESULTS.md for `model`, keep the rest."""
+    replace_section(path, MODELS[model].section, section)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,6 +431,8 @@ def write_section(path: pathlib.Path, section: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
+                        help=f"the model (default {DEFAULT_MODEL}); each has its own RESULTS.md section")
     parser.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS,
                         help=f"Spec-Bench question.jsonl (default: {DEFAULT_QUESTIONS})")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -418,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
     parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if "f32" not in args.formats:
         parser.error("--formats must include f32: the reference for token agreement and the roofline")
     if args.max_new_tokens < 2:
@@ -430,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     import jaxspec
     from jaxspec import checkpoints
 
+    settings = MODELS[args.model]
     prompts = pick_prompts(args.questions)
     # Bandwidth is measured before and after the decoding runs; the median of all samples is used.
     copy_samples, gemv_samples = copy_bandwidth(), gemv_bandwidth()
@@ -439,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     models, weight_bytes, startup = {}, {}, {}
     for fmt in args.formats:
         start = time.perf_counter()
-        model = jaxspec.load(weight_format=fmt)
+        model = jaxspec.load(args.model, weight_format=fmt)
         load_s = time.perf_counter() - start
         name = f"jaxspec {fmt}"
         models[name] = model
@@ -448,20 +483,20 @@ def main(argv: list[str] | None = None) -> int:
         # no timed call compiles.
         compile_s, warmed = None, set()
         for _, _, text in prompts:
-            bucket = max(16, 1 << (len(model.tokenizer.encode_chat(text)) - 1).bit_length())
+            bucket = max(16, 1 << (len(encode(model.tokenizer, text, settings.chat)) - 1).bit_length())
             if bucket not in warmed:
                 warmed.add(bucket)
-                r = run_jaxspec(model, text, args.max_new_tokens)
+                r = run_jaxspec(model, text, args.max_new_tokens, settings.chat)
                 compile_s = r["compile_s"] if compile_s is None else compile_s
         startup[fmt] = (load_s, compile_s)
         print(f"{name}: load {load_s:.1f} s, first-call compile {compile_s:.1f} s", flush=True)
     tokenizer = models[REFERENCE].tokenizer
-    ids = [tokenizer.encode_chat(text) for _, _, text in prompts]
+    ids = [encode(tokenizer, text, settings.chat) for _, _, text in prompts]
     prompt_lengths = [len(i) for i in ids]
 
-    engines = {name: (lambda i, model=model: run_jaxspec(model, prompts[i][2], args.max_new_tokens))
+    engines = {name: (lambda i, model=model: run_jaxspec(model, prompts[i][2], args.max_new_tokens, settings.chat))
                for name, model in models.items()}
-    path = checkpoints.default_model_path()
+    path = checkpoints.resolve_model(args.model)
     if not args.no_hf:
         import torch
         import transformers
@@ -568,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report)
     if not args.no_write:
-        write_section(args.results, report)
+        write_section(args.results, report, args.model)
         print(f"wrote {args.results}")
     return 0
 

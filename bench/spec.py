@@ -3,13 +3,16 @@
     . .venv/bin/activate && python bench/spec.py            # 4 prompts per group, HF on 2
     . .venv/bin/activate && python bench/spec.py --quick    # 2 prompts per group, HF on 1, k = 4
     . .venv/bin/activate && python bench/spec.py --prompts 8 --hf-prompts 4   # the whole set
+    . .venv/bin/activate && python bench/spec.py --model gemma3-270m --quick --k 2 4 --temperatures   # Gemma-3-270M
 
 Time on this 2-core machine is dominated by decoding itself (128 tokens x 5 methods x prompt,
 with a prefill of seconds for each summarization/rag call) and by compiling (one program per
 method and prompt-length bucket): see the total in RESULTS.md.
 
-Default model (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized to float32), batch 1, 128 greedy
-tokens (`ignore_eos=True`, so every method does the same work), chat template on, the first turn
+Default model (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized to float32; `--model` picks another of
+MODELS: gemma3-270m is Gemma-3-270M, the pretrained base model, Q4_K_M GGUF, fed plain prompts
+without a chat template and without a trained head), batch 1, 128 greedy tokens
+(`ignore_eos=True`, so every method does the same work), chat template on, the first turn
 of Spec-Bench questions in six groups: summarization, rag, qa, translation, math_reasoning and
 mt_bench (the eight MT-bench categories together). Per prompt, every method runs back to back
 (jaxspec plain, prompt lookup at each k, layer-skip, then HF plain and HF prompt lookup) so that
@@ -39,7 +42,8 @@ Also measured:
     cost is measured (draft forwards at T = 2 and 1, verification at T = k + 1).
 
 The result replaces the `## Speculative decoding (bench/spec.py)` section of bench/RESULTS.md
-(other sections kept) and the figure goes to bench/spec_speedup.png.
+(other sections kept) and the figure goes to bench/spec_speedup.png; another model writes its own
+section (`## Gemma-3-270M: speculation (bench/spec.py --model gemma3-270m)`) and figure.
 """
 
 from __future__ import annotations
@@ -77,6 +81,36 @@ MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", 
 # A token no chat answer produces, passed as a stop token so that jaxspec's prefill/decode time
 # split is right under ignore_eos (see `run_jaxspec`). Every run is checked to reach 128 tokens.
 TIMING_STOP_TOKEN = "<empty_output>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """What the benchmark needs to know about one model `--model` names."""
+
+    title: str  # the model and its file, in the report's header
+    short: str  # in the figure's title
+    chat: bool  # prompts through the tokenizer's chat template (an instruction-tuned model) or plain
+    section: str  # its RESULTS.md section (f32 target; other formats and tags append to it)
+    plot: str  # its figure's file name in bench/ (f32 target)
+    eagle3: str  # the default --eagle3 head ("none": there is none)
+    exit_layers: tuple[int, ...]  # the layer-skip sweep (default; --quick: its first and third)
+    timing_stop: str = TIMING_STOP_TOKEN  # a token no answer produces (see run_jaxspec)
+
+
+DEFAULT_MODEL = "smollm2-135m"
+MODELS = {
+    DEFAULT_MODEL: ModelSettings("SmolLM2-135M-Instruct Q4_1 GGUF", "SmolLM2-135M", chat=True, section=SECTION,
+                                 plot="spec_speedup.png", eagle3="eagle3-smollm2-135m", exit_layers=(8, 12, 16, 20)),
+    "gemma3-270m": ModelSettings(
+        "Gemma-3-270M (the pretrained base model, not instruction-tuned) Q4_K_M GGUF", "Gemma-3-270M (base)",
+        chat=False, section="## Gemma-3-270M: speculation (bench/spec.py --model gemma3-270m)",
+        plot="spec_speedup_gemma3-270m.png", eagle3="none", exit_layers=(4, 6, 9, 12), timing_stop="<unused0>"),
+}
+
+
+def encode(tokenizer, text: str, chat: bool) -> list[int]:
+    """The prompt's ids as jaxspec.generate(chat=chat) builds them."""
+    return tokenizer.encode_chat(text) if chat else tokenizer.encode(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,12 +208,12 @@ def early_exit_argmax(model, ids: list[int], exits: tuple[int, ...]) -> dict[int
 
 @functools.partial(jax.jit, static_argnames=("cfg", "exits"))
 def _early_exit_predict(params, tokens, *, cfg, exits):
-    from jaxspec.cache import KVCache
-    from jaxspec.models import layers, llama
+    from jaxspec import models
+    from jaxspec.models import layers
 
-    cache = KVCache.create(cfg, 1, tokens.shape[1])
-    _, hiddens, _ = llama.forward(params, cfg, tokens, cache, hidden_layers=tuple(e - 1 for e in exits),
-                                  logit_indices=jnp.zeros((1, 1), jnp.int32))
+    cache = models.create_cache(cfg, 1, tokens.shape[1])
+    _, hiddens, _ = models.forward(params, cfg, tokens, cache, hidden_layers=tuple(e - 1 for e in exits),
+                                   logit_indices=jnp.zeros((1, 1), jnp.int32))
     head = layers.output_head(params.embed, params.lm_head)
     out = []
     for h in hiddens:  # [1, T, D]
@@ -219,10 +253,10 @@ class Method:
 
 
 def run_jaxspec(model, prompt: Prompt, m: Method, new_tokens: int, timing_stop: int,
-                temperature: float = 0.0, seed: int = 0, heads: dict | None = None) -> dict:
+                temperature: float = 0.0, seed: int = 0, heads: dict | None = None, chat: bool = True) -> dict:
     import jaxspec
 
-    kwargs = dict(chat=True, max_new_tokens=new_tokens, ignore_eos=True, method=m.method,
+    kwargs = dict(chat=chat, max_new_tokens=new_tokens, ignore_eos=True, method=m.method,
                   temperature=temperature, seed=seed)
     if m.tree is not None:
         kwargs["tree"] = m.tree
@@ -324,23 +358,28 @@ def group_summary(records: list[dict], methods: list[Method], hf_ids: set[int]) 
     return out
 
 
-def section_title(weight_format: str, tag: str | None = None) -> str:
-    """This script's RESULTS.md section: one per weight format (f32 keeps the original title) and
-    `--section` tag (a focused run, e.g. the tree sweep, keeps its own section beside the full one)."""
-    title = SECTION if weight_format == "f32" else f"{SECTION[:-1]} --weight-format {weight_format})"
+def section_title(weight_format: str, tag: str | None = None, model: str = DEFAULT_MODEL) -> str:
+    """This script's RESULTS.md section: one per model, weight format (f32 keeps the model's title)
+    and `--section` tag (a focused run, e.g. the tree sweep, keeps its own section beside the full one)."""
+    base = MODELS[model].section
+    title = base if weight_format == "f32" else f"{base[:-1]} --weight-format {weight_format})"
     return title if not tag else f"{title}: {tag}"
 
 
 def build_report(args, picked, methods, hf_methods, records, summaries, costs, sweep, chosen,
                  mismatches, incomplete, seconds, compile_s) -> str:
-    lines = [f"{section_title(args.weight_format, args.section)}\n", f"Target weights: {args.weight_format} (the heads follow).\n"]
+    settings = MODELS[args.model]
+    lines = [f"{section_title(args.weight_format, args.section, args.model)}\n",
+             f"Target weights: {args.weight_format} (the heads follow).\n"]
     total_prompts = sum(len(v) for v in picked.values())
     lines.append(
         f"{datetime.date.today().isoformat()}; {platform.processor() or platform.machine()}, 2 cores, shared "
         f"with other work (timings noisy: methods run back to back per prompt, figures are medians over "
         f"prompts, speedups are per-prompt ratios to plain on the same prompt); jax {jax.__version__}, "
-        f"{peer_versions()}. SmolLM2-135M-Instruct Q4_1 GGUF dequantized to float32, batch 1, "
-        f"{args.max_new_tokens} greedy tokens (`ignore_eos`), chat template, first turns of Spec-Bench "
+        f"{peer_versions()}. {settings.title} dequantized to float32, batch 1, "
+        f"{args.max_new_tokens} greedy tokens (`ignore_eos`), "
+        f"{'chat template' if settings.chat else 'plain prompts (chat=False: no chat template, a base model)'}, "
+        f"first turns of Spec-Bench "
         f"questions: {args.prompts} per group (the first by question_id; mt_bench takes its eight "
         f"categories in turn), {total_prompts} in all; HF transformers on the first {args.hf_prompts} of "
         f"each group. Total run {seconds / 60:.1f} min ({compile_s / 60:.1f} min of it compiling).\n")
@@ -405,7 +444,7 @@ def build_report(args, picked, methods, hf_methods, records, summaries, costs, s
     # Cost curve.
     base = costs["T=1"]
     lines.append("### Cost of one target forward at T new tokens (the bound on every speedup here)\n")
-    lines.append(f"`jaxspec.models.llama.forward` of the whole model, batch 1, timed as a jitted `fori_loop` of 4 "
+    lines.append(f"`jaxspec.models.forward` of the whole model ({type(args.model_config).__name__}), batch 1, timed as a jitted `fori_loop` of 4 "
                  f"forwards with the cache in the carry (as in the generation loop), median of {args.cost_calls} "
                  f"calls per T taken round-robin. Cache of capacity {args.cost_capacity} holding {args.cost_length} "
                  f"tokens (about what a summarization or rag prompt runs with), and of capacity {SHORT_CACHE[0]} "
@@ -450,7 +489,8 @@ def build_report(args, picked, methods, hf_methods, records, summaries, costs, s
 
     lines.append(tree_report(summaries, methods, costs, args))
     lines.append(acceptance_report(records, methods, costs, args))
-    lines.append("Figure: `bench/spec_speedup.png` (speedup per group and method; the T-cost curve).\n")
+    if args.plot is not None:
+        lines.append("Figure: `bench/spec_speedup.png` (speedup per group and method; the T-cost curve).\n")
     lines.append(_reading(summaries, methods, hf_methods, costs, args))
     return "\n".join(lines)
 
@@ -612,9 +652,10 @@ def _nan_low(value: float) -> float:
     return -math.inf if math.isnan(value) else value
 
 
-def write_section(path: pathlib.Path, section: str, weight_format: str, tag: str | None = None) -> None:
-    """Replace this script's section of RESULTS.md for `weight_format` and `tag`, keep the rest."""
-    replace_section(path, section_title(weight_format, tag), section)
+def write_section(path: pathlib.Path, section: str, weight_format: str, tag: str | None = None,
+                  model: str = DEFAULT_MODEL) -> None:
+    """Replace this script's section of RESULTS.md for `model`, `weight_format` and `tag`, keep the rest."""
+    replace_section(path, section_title(weight_format, tag, model), section)
 
 
 def plot(path: pathlib.Path, summaries, methods, hf_methods, costs, args) -> None:
@@ -641,7 +682,7 @@ def plot(path: pathlib.Path, summaries, methods, hf_methods, costs, args) -> Non
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(x, GROUPS, rotation=15)
     ax.set_ylabel("speedup over plain (decode tok/s)")
-    ax.set_title(f"SmolLM2-135M, {args.max_new_tokens} greedy tokens, CPU (2 cores)")
+    ax.set_title(f"{MODELS[args.model].short}, {args.max_new_tokens} greedy tokens, CPU (2 cores)")
     ax.legend(fontsize=8, ncol=2)
     ts = list(range(1, args.cost_max_t + 1))
     ratio = [costs[f"T={t}"] / costs["T=1"] for t in ts]
@@ -672,6 +713,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
+                        help=f"the target (default {DEFAULT_MODEL}); each has its own RESULTS.md section and figure")
     parser.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS,
                         help=f"Spec-Bench question.jsonl (default: {DEFAULT_QUESTIONS})")
     parser.add_argument("--quick", action="store_true",
@@ -680,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-prompts", type=int, help="of those, how many HF runs on (default 2; --quick 1)")
     parser.add_argument("--k", type=int, nargs="+", help="prompt-lookup draft lengths (default 2 4 8; --quick 4)")
     parser.add_argument("--hf-k", type=int, default=4, help="HF prompt_lookup_num_tokens (default 4)")
-    parser.add_argument("--exit-layers", type=int, nargs="+", help="layer-skip sweep (default 8 12 16 20)")
+    parser.add_argument("--exit-layers", type=int, nargs="+",
+                        help="layer-skip sweep (default 8 12 16 20, gemma3-270m 4 6 9 12; --quick the 1st and 3rd)")
     parser.add_argument("--layer-skip-k", type=int, nargs="+", help="layer-skip k sweep (default 1 2 4)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--cost-capacity", type=int, default=1024)
@@ -690,8 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperatures", type=float, nargs="*", default=[0.7, 1.0],
                         help="sampled rows at these temperatures (default 0.7 1.0; none: greedy only)")
     parser.add_argument("--sampled-prompts", type=int, help="prompts per group for the sampled rows (default 2; --quick 1)")
-    parser.add_argument("--eagle3", default="eagle3-smollm2-135m",
-                        help='an EAGLE-3 head for the default model (name or directory; "none" to skip)')
+    parser.add_argument("--eagle3", default=None,
+                        help='an EAGLE-3 head for the target (name or directory; "none" to skip; default '
+                             '"eagle3-smollm2-135m" for the default model, none for a model without one)')
     parser.add_argument("--eagle3-k", type=int, nargs="+", default=[2, 4, 6], help="EAGLE-3 draft lengths")
     parser.add_argument("--mtp", default=None, help="an MTP head directory written by train-head --method mtp")
     parser.add_argument("--mtp-k", type=int, nargs="+", default=[2], help="MTP draft lengths")
@@ -709,17 +754,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--section", default=None,
                         help="a tag for a focused run's own RESULTS.md section (e.g. 'trees'), kept beside the full run's")
     parser.add_argument("--plot", type=pathlib.Path, default=None,
-                        help="the figure (default bench/spec_speedup.png; spec_speedup_FORMAT.png for int8, bf16)")
+                        help="the figure (default bench/spec_speedup.png; spec_speedup_FORMAT.png for int8, bf16; "
+                             "spec_speedup_gemma3-270m.png for gemma3-270m)")
+    parser.add_argument("--no-plot", action="store_true", help="write RESULTS.md but no figure")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md and the plot alone")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    settings = MODELS[args.model]
+    if args.eagle3 is None:
+        args.eagle3 = settings.eagle3
     quick = args.quick
     args.prompts = args.prompts or (2 if quick else 4)
     args.hf_prompts = min(args.prompts, args.hf_prompts if args.hf_prompts is not None else (1 if quick else 2))
     if args.no_hf:
         args.hf_prompts = 0
     args.k = args.k or ([4] if quick else [2, 4, 8])
-    args.exit_layers = args.exit_layers or ([8, 16] if quick else [8, 12, 16, 20])
+    args.exit_layers = args.exit_layers or list(settings.exit_layers[::2] if quick else settings.exit_layers)
     args.layer_skip_k = args.layer_skip_k or ([1, 2] if quick else [1, 2, 4])
     args.cost_calls = args.cost_calls or (10 if quick else 20)
     args.sampled_prompts = min(args.prompts, args.sampled_prompts if args.sampled_prompts is not None else (1 if quick else 2))
@@ -729,25 +779,31 @@ def main(argv: list[str] | None = None) -> int:
         args.cost_max_t = max(args.cost_max_t, need)
     if args.eagle3.lower() != "none":
         args.cost_max_t = max(args.cost_max_t, max(args.eagle3_k) + 1)
-    if args.plot is None:
+    if args.no_plot:
+        args.plot = None
+    elif args.plot is None:
         suffix = ("" if args.weight_format == "f32" else f"_{args.weight_format}") + (
             f"_{args.section}" if args.section else "")
-        args.plot = DEFAULT_PLOT.with_name(f"{DEFAULT_PLOT.stem}{suffix}.png")
+        stem = pathlib.Path(settings.plot).stem
+        args.plot = DEFAULT_PLOT.with_name(f"{stem}{suffix}.png")
     began = time.perf_counter()
 
     import jaxspec
     from jaxspec import checkpoints
 
     picked = pick_prompts(args.questions, args.prompts)
-    model = jaxspec.load(weight_format=args.weight_format)
-    cfg = model.config
+    model = jaxspec.load(args.model, weight_format=args.weight_format)
+    cfg = args.model_config = model.config
     heads = {}
     if args.eagle3 and args.eagle3.lower() != "none":
         heads["eagle3"] = jaxspec.load(args.eagle3)
     if args.mtp:
         heads["mtp"] = jaxspec.load(args.mtp)
     head_ks = {"eagle3": args.eagle3_k, "mtp": args.mtp_k}
-    timing_stop = model.tokenizer.hf_tokenizer.token_to_id(TIMING_STOP_TOKEN)
+    timing_stop = model.tokenizer.hf_tokenizer.token_to_id(settings.timing_stop)
+    assert timing_stop is not None, f"{settings.timing_stop!r} is not a token of {args.model}"
+    chat = settings.chat
+    costs_of = forward_costs if family_of(cfg).name == "llama" else trunk_forward_costs
     compile_total = 0.0
 
     # 1. Forward cost at T = 1..max_t with the brief's cache (capacity 1024 holding 300 tokens);
@@ -756,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     # layers (a draft's cost is linear in its layer count: interpolated between).
     start = time.perf_counter()
     ts = range(1, args.cost_max_t + 1)
-    costs = forward_costs({f"T={t}": (model.params, cfg, t) for t in ts}, args.cost_capacity,
+    costs = costs_of({f"T={t}": (model.params, cfg, t) for t in ts}, args.cost_capacity,
                           args.cost_length, args.cost_calls)
     short_ts = sorted({t for t in (1, 2, 3, 5, 9) if t <= args.cost_max_t}
                       | {k + 1 for name in heads for k in head_ks[name]}
@@ -768,13 +824,13 @@ def main(argv: list[str] | None = None) -> int:
             draft = jaxspec.layer_skip(model, e)
             for t in (1, 2):
                 short[f"e={e},T={t}"] = (draft.params, draft.config, t)
-    short_costs = forward_costs(short, SHORT_CACHE[0], SHORT_CACHE[1], args.cost_calls)
+    short_costs = costs_of(short, SHORT_CACHE[0], SHORT_CACHE[1], args.cost_calls)
     if args.tree_cost_nodes:  # a tree verify against a causal forward of the same T
         tree_variants = {}
         for n in args.tree_cost_nodes:
             tree_variants[f"tree T={n + 1}"] = (model.params, cfg, n + 1, heap_tree(n))
             tree_variants[f"causal T={n + 1}"] = (model.params, cfg, n + 1)
-        costs.update(forward_costs(tree_variants, args.cost_capacity, args.cost_length, args.cost_calls))
+        costs.update(costs_of(tree_variants, args.cost_capacity, args.cost_length, args.cost_calls))
     costs.update({f"short {name}": value for name, value in short_costs.items()})
     if not args.no_layer_skip:
         low, high = measured_exits[0], measured_exits[-1]
@@ -799,9 +855,10 @@ def main(argv: list[str] | None = None) -> int:
         rounds = {(e, k): 0 for e in args.exit_layers for k in args.layer_skip_k}
         decode_tokens = 0
         for p in sweep_prompts:
-            plain = run_jaxspec(model, p, Method("plain", "plain", "plain"), args.max_new_tokens, timing_stop)
+            plain = run_jaxspec(model, p, Method("plain", "plain", "plain"), args.max_new_tokens, timing_stop,
+                                chat=chat)
             compile_total += plain["compile_s"]
-            ids = model.tokenizer.encode_chat(p.text)
+            ids = encode(model.tokenizer, p.text, chat)
             predictions = early_exit_argmax(model, ids + plain["tokens"], tuple(args.exit_layers))
             decode_tokens += len(plain["tokens"]) - 1
             for (e, k) in rounds:
@@ -833,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_methods = []
     hf = None
     if args.hf_prompts:
-        hf = HF(checkpoints.default_model_path())
+        hf = HF(checkpoints.resolve_model(args.model))
         hf.generate([1, 2, 3], 4)  # warm-up
         hf_methods = [Method("HF plain", "hf", "hf"),
                       Method(f"HF prompt lookup k={args.hf_k}", "hf-pld", "hf", args.hf_k)]
@@ -844,10 +901,10 @@ def main(argv: list[str] | None = None) -> int:
     done = 0
     for group in GROUPS:
         for index, p in enumerate(picked[group]):
-            ids = model.tokenizer.encode_chat(p.text)
+            ids = encode(model.tokenizer, p.text, chat)
             record = {"group": group, "qid": p.question_id, "prompt_tokens": len(ids)}
             for m in methods:
-                r = run_jaxspec(model, p, m, args.max_new_tokens, timing_stop, heads=heads)
+                r = run_jaxspec(model, p, m, args.max_new_tokens, timing_stop, heads=heads, chat=chat)
                 compile_total += r["compile_s"]
                 if not r["complete"]:
                     incomplete.append(f"{m.key} #{p.question_id}")
@@ -888,11 +945,11 @@ def main(argv: list[str] | None = None) -> int:
         for temperature in args.temperatures:
             for group in GROUPS:
                 for index, p in enumerate(picked[group][: args.sampled_prompts]):
-                    ids = model.tokenizer.encode_chat(p.text)
+                    ids = encode(model.tokenizer, p.text, chat)
                     record = {"group": group, "qid": p.question_id, "temperature": temperature}
                     for m in sample_methods:
                         r = run_jaxspec(model, p, m, args.max_new_tokens, timing_stop, temperature=temperature,
-                                        seed=p.question_id, heads=heads)
+                                        seed=p.question_id, heads=heads, chat=chat)
                         compile_total += r["compile_s"]
                         record[m.key] = r
                     if hf is not None and index < args.hf_prompts:
@@ -926,12 +983,13 @@ def main(argv: list[str] | None = None) -> int:
                                 sampling_report(args, sampled, bool(hf_methods)) + "\nFigure: `bench/spec_speedup.png`", 1)
     print()
     print(report)
-    if args.plot != DEFAULT_PLOT:  # its own figure beside the full f32 run's
+    if args.plot is not None and args.plot != DEFAULT_PLOT:  # its own figure beside the full f32 run's
         report = report.replace("bench/spec_speedup.png", f"bench/{args.plot.name}")
     if not args.no_write:
-        write_section(args.results, report, args.weight_format, args.section)
-        plot(args.plot, summaries, methods, hf_methods, costs, args)
-        print(f"wrote {args.results} and {args.plot}")
+        write_section(args.results, report, args.weight_format, args.section, args.model)
+        if args.plot is not None:
+            plot(args.plot, summaries, methods, hf_methods, costs, args)
+        print(f"wrote {args.results}" + (f" and {args.plot}" if args.plot is not None else ""))
     return 1 if mismatches else 0
 
 

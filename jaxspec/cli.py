@@ -31,7 +31,8 @@ WEIGHT_FORMAT_FLAG = dict(
 DEFAULTS = GenerateOptions()
 # What `--draft` must name for each method that needs one.
 DRAFT_FOR = {Method.DRAFT: "--draft MODEL (a draft model sharing the vocabulary)",
-             Method.EAGLE3: "--draft HEAD_DIR (an EAGLE-3 head directory, or eagle3-smollm2-135m)"}
+             Method.EAGLE3: "--draft HEAD_DIR (an EAGLE-3 head directory, or eagle3-smollm2-135m)",
+             Method.ASSISTANT: "--draft DIR (a Gemma 4 assistant checkpoint, transformers' gemma4_assistant)"}
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     gen.add_argument("--method", choices=[method.value for method in Method], default=None,
                      help="speculation: ngram (prompt lookup), draft (--draft MODEL), layer_skip, eagle3 "
-                          "(--draft HEAD_DIR), mtp (the model's own MTP head, or --draft DIR); default plain, "
+                          "(--draft HEAD_DIR), mtp (the model's own MTP head, or --draft DIR), assistant (a Gemma 4 "
+                          "shared-KV assistant, --draft DIR); default plain, "
                           "or inferred from --draft")
     gen.add_argument("-k", "--num-draft-tokens", type=int, default=DEFAULTS.num_draft_tokens,
                      help="draft tokens per round")

@@ -256,3 +256,20 @@ def test_bad_assistant_configs_are_named(change, message):
         hf["text_config"].setdefault("model_type", "gemma4_text")
     with pytest.raises(UnsupportedModelError, match=message):
         assistant.config_from_hf(hf)
+
+
+@pytest.mark.parametrize("tree", [None, (3, 2, 6)], ids=["chain", "tree"])
+def test_assistant_drafts_under_a_grammar_equal_plain(tree):
+    """A Gemma 4 target with a byte-level tokenizer: the assistant draws each draft from its logits
+    masked by the state its own drafts reach; speculative output equals plain under the grammar."""
+    from tests.test_constrained import MIXED, PROMPTS as GRAMMAR_PROMPTS, PIECES, SPECIALS, byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer(SPECIALS + [chr(c) for c in range(32, 127)] + PIECES, frozenset(SPECIALS), "</s>")
+    cfg = dataclasses.replace(GEMMA_CONFIGS["gemma4-shared-per-layer"], vocab_size=128, per_layer_vocab=128,
+                              max_position_embeddings=128, eos_token_ids=(3,))
+    target = Model(config=cfg, params=gemma.init_params(cfg, jax.random.PRNGKey(8), scale=0.3), tokenizer=tokenizer)
+    helper = _self_assistant(cfg, 9)
+    plain = jaxspec.generate(target, None, GRAMMAR_PROMPTS, max_new_tokens=40, **MIXED)
+    spec = jaxspec.generate(target, helper, GRAMMAR_PROMPTS, max_new_tokens=40, tree=tree, **MIXED)
+    assert spec.tokens == plain.tokens and spec.finish_reason == plain.finish_reason
+    assert spec.stats.accepted > 0
