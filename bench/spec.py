@@ -186,6 +186,49 @@ def head_step_cost(model, head, capacity: int, length: int, calls: int, iters: i
     return median(timed(loop, head.params, model.params.embed, extra, cache)[1] / iters for _ in range(calls))
 
 
+def trunk_forward_costs(variants: dict, capacity: int, length: int, calls: int, iters: int = 4) -> dict:
+    """`forward_cost.forward_costs` for a trunk of any family (Gemma): the same timing, through
+    `jaxspec.models.forward` and `create_cache` (dispatch on the config) where forward_cost's loop
+    calls `llama.forward` and `KVCache.create` itself. The Llama-family default model keeps
+    forward_costs, so its figures come from the same code as before."""
+    from jaxspec import models
+
+    runners = {}
+    for name, (params, cfg, steps, *tree) in variants.items():
+        cache = models.create_cache(cfg, 1, capacity).set_length(jnp.full((1,), length, jnp.int32))
+        tokens = jnp.asarray(np.arange(100, 100 + steps, dtype=np.int32)[None])  # [1, T]
+        parents = jnp.asarray(tree[0])[None] if tree else None  # [1, N]
+        depth = int(np.log2(max(steps, 2))) + 1 if tree else 0  # enough passes for any heap_tree
+        loop = functools.partial(_trunk_forward_loop, cfg=cfg, iters=iters, depth=depth)
+        timed(loop, params, tokens, cache, parents)  # compile
+        runners[name] = (loop, params, tokens, cache, parents)
+    samples = {name: [] for name in variants}
+    for _ in range(calls):  # round-robin over the variants
+        for name, (loop, params, tokens, cache, parents) in runners.items():
+            samples[name].append(timed(loop, params, tokens, cache, parents)[1] / iters)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "iters", "depth"))
+def _trunk_forward_loop(params, tokens, cache, parents=None, *, cfg, iters, depth=0):
+    """forward_cost.forward_loop through `jaxspec.models.forward`."""
+    from jaxspec import models
+    from jaxspec.spec import tree as tree_lib
+
+    options = {}
+    if parents is not None:
+        depths = tree_lib.node_depths(parents, depth)  # [1, T]
+        options = {"positions": cache.length[:, None] + depths,
+                   "tree_mask": tree_lib.verify_mask(parents, depth, cache.length, tokens.shape[1])}
+
+    def body(_, carry):
+        cache, checksum = carry
+        logits, _, cache = models.forward(params, cfg, tokens, cache, **options)
+        return cache, checksum + logits[0, -1, 0]  # keeps every forward live
+
+    return jax.lax.fori_loop(0, iters, body, (cache, jnp.zeros((), jnp.float32)))[1]
+
+
 # ---------------------------------------------------------------------------------------------
 # Layer-skip: exact acceptance replay along plain greedy output
 # ---------------------------------------------------------------------------------------------
@@ -367,7 +410,7 @@ def section_title(weight_format: str, tag: str | None = None, model: str = DEFAU
 
 
 def build_report(args, picked, methods, hf_methods, records, summaries, costs, sweep, chosen,
-                 mismatches, incomplete, seconds, compile_s) -> str:
+                 mismatches, incomplete, seconds, compile_s, sampling: str = "") -> str:
     settings = MODELS[args.model]
     lines = [f"{section_title(args.weight_format, args.section, args.model)}\n",
              f"Target weights: {args.weight_format} (the heads follow).\n"]
@@ -489,6 +532,8 @@ def build_report(args, picked, methods, hf_methods, records, summaries, costs, s
 
     lines.append(tree_report(summaries, methods, costs, args))
     lines.append(acceptance_report(records, methods, costs, args))
+    if sampling:
+        lines.append(sampling)
     if args.plot is not None:
         lines.append("Figure: `bench/spec_speedup.png` (speedup per group and method; the T-cost curve).\n")
     lines.append(_reading(summaries, methods, hf_methods, costs, args))
@@ -790,6 +835,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jaxspec
     from jaxspec import checkpoints
+    from jaxspec.models import family_of
 
     picked = pick_prompts(args.questions, args.prompts)
     model = jaxspec.load(args.model, weight_format=args.weight_format)
@@ -977,10 +1023,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_ids = {p.question_id for p in picked[group][: args.hf_prompts]}
         summaries[group] = group_summary(group_records, methods + hf_methods, hf_ids)
     report = build_report(args, picked, methods, hf_methods, records, summaries, costs, sweep, chosen,
-                          mismatches, incomplete, time.perf_counter() - began, compile_total)
-    if sampled:
-        report = report.replace("\nFigure: `bench/spec_speedup.png`",
-                                sampling_report(args, sampled, bool(hf_methods)) + "\nFigure: `bench/spec_speedup.png`", 1)
+                          mismatches, incomplete, time.perf_counter() - began, compile_total,
+                          sampling_report(args, sampled, bool(hf_methods)) if sampled else "")
     print()
     print(report)
     if args.plot is not None and args.plot != DEFAULT_PLOT:  # its own figure beside the full f32 run's

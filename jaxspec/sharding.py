@@ -267,6 +267,11 @@ def repeat_kv_heads(cfg: Any, params: Any, repeats: int) -> tuple[Any, Any]:
     if repeats == 1:
         return cfg, params
     inner = getattr(cfg, "block", cfg)  # an MTP head's decoder layer
+    if "num_kv_heads" not in {field.name for field in dataclasses.fields(inner)}:
+        raise ShardingError(
+            f"the {inner.num_kv_heads} kv heads of this {type(inner).__name__} (every layer type's count is a multiple "
+            f"of it) do not divide over the mesh, and its per-type heads are not repeated to fit; pass "
+            f"rules={{'kv_heads': None}} to replicate them, or a mesh axis dividing {inner.num_kv_heads}")
     kv_rows = inner.num_kv_heads * inner.head_dim
     # Row index of each repeated row: head j's H rows, r times, head by head. [K*r*H]
     index = np.repeat(np.arange(kv_rows).reshape(-1, inner.head_dim), repeats, axis=0).reshape(-1)

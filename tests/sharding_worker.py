@@ -22,7 +22,8 @@ import jax  # noqa: E402
 import jaxspec  # noqa: E402
 from jaxspec.api import Model, prepare  # noqa: E402
 from jaxspec.config import ModelConfig  # noqa: E402
-from jaxspec.models import eagle3, llama, mtp, qwen35  # noqa: E402
+from jaxspec.config import RopeScaling, RopeType  # noqa: E402
+from jaxspec.models import assistant, eagle3, gemma, llama, mtp, qwen35  # noqa: E402
 from jaxspec.spec import loop  # noqa: E402
 
 # 8 query heads and 4 kv heads: on (1, 8) the kv heads do not divide and are replicated.
@@ -37,6 +38,19 @@ HYBRID = qwen35.Qwen35Config(
     vocab_size=256, dim=32, num_layers=2, layer_types=("linear_attention", "full_attention"), ffn_dim=64,
     num_heads=4, num_kv_heads=2, head_dim=8, rotary_dim=2, linear_num_key_heads=4, linear_num_value_heads=8,
     linear_key_head_dim=4, linear_value_head_dim=4, max_position_embeddings=512, eos_token_ids=(3,))
+# Gemma 4: local and global layers (4 kv heads each, the global ones twice as wide, values = keys),
+# per-layer inputs, the last two layers sharing K/V; and a shared-KV assistant for it.
+_LOCAL = gemma.GemmaAttention(num_heads=8, num_kv_heads=4, head_dim=8, rotary_dim=8, rope_theta=1e4, window=6)
+GEMMA = gemma.GemmaConfig(
+    generation=4, vocab_size=256, dim=32, num_layers=4, layer_types=("sliding_attention", "full_attention") * 2,
+    ffn_dim=64, sliding=_LOCAL, query_scale=1.0, per_layer_dim=4, per_layer_vocab=256, num_kv_shared_layers=2,
+    full=gemma.GemmaAttention(num_heads=8, num_kv_heads=4, head_dim=16, rotary_dim=16, rope_theta=1e6,
+                              values_from_keys=True,
+                              rope_scaling=RopeScaling(rope_type=RopeType.PROPORTIONAL, rotated_fraction=0.25)),
+    max_position_embeddings=512, eos_token_ids=(3,))
+ASSISTANT = assistant.AssistantConfig(text=dataclasses.replace(GEMMA, dim=16, num_layers=2, per_layer_dim=0,
+                                                               per_layer_vocab=0, num_kv_shared_layers=0),
+                                      backbone_dim=32)
 # A ragged batch: 3 rows of different lengths (padded to whole "data" shards on a mesh), with
 # repeats for prompt lookup to find.
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8], [10, 11, 12], [20, 21, 22, 23, 20, 21, 22, 30, 31, 20, 21]]
@@ -145,6 +159,16 @@ def main() -> None:
     report["loops"]["2x4"]["hybrid_ngram"] = compiled_loop(sharded_hybrid, None, ngram)
     report["placement"]["hybrid_2x4"] = {"plan": str(sharded_hybrid.sharding),
                                          "params_bytes": per_device_bytes(sharded_hybrid.params)}
+    # Gemma 4 on (2, 4): plain, prompt lookup and the assistant (reading the sharded target cache).
+    gemma_model = Model(config=GEMMA, params=gemma.init_params(GEMMA, jax.random.PRNGKey(6), scale=0.3))
+    helper = Model(config=ASSISTANT, params=assistant.init_params(ASSISTANT, jax.random.PRNGKey(7), scale=0.3))
+    sharded_gemma = jaxspec.shard(gemma_model, jaxspec.make_mesh(2, 4))
+    for name, case_draft, options in (("gemma_plain", None, {}), ("gemma_ngram", None, ngram),
+                                      ("gemma_assistant", helper, {"num_draft_tokens": 3})):
+        report["tokens"][name] = {"unsharded": run(gemma_model, case_draft, options),
+                                  "2x4": run(sharded_gemma, case_draft, options)}
+    report["placement"]["gemma_2x4"] = {
+        "k_proj": [str(layer.attention.k_proj.sharding.spec) for layer in sharded_gemma.params.layers[:2]]}
     mesh24 = jaxspec.make_mesh(2, 4)
     odd = ModelConfig(vocab_size=256, dim=48, num_layers=1, num_heads=6, num_kv_heads=3, head_dim=8, ffn_dim=96,
                       rotary_dim=8)
@@ -155,6 +179,7 @@ def main() -> None:
         "rule_to_missing_axis": error_of(lambda: jaxspec.shard(target, mesh24, rules={"heads": "tensor"})),
         "unknown_mesh_axis": error_of(lambda: jaxspec.shard(target, jax.make_mesh((2, 4), ("rows", "cols")))),
         "too_many_devices": error_of(lambda: jaxspec.make_mesh(4, 4)),
+        "gemma_kv_heads_do_not_divide": error_of(lambda: jaxspec.shard(gemma_model, jaxspec.make_mesh(1, 8))),
         "draft_on_other_mesh": error_of(lambda: run(jaxspec.shard(target, mesh24),
                                                     jaxspec.shard(draft, jaxspec.make_mesh(8, 1)), {})),
     }

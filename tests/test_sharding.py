@@ -45,7 +45,8 @@ def test_the_worker_sees_eight_devices(report):
 
 
 @pytest.mark.parametrize("case", ["plain", "ngram", "draft", "eagle3", "sampling_draft", "sampling_plain",
-                                  "tree_draft", "layer_skip", "mtp", "hybrid_ngram"])
+                                  "tree_draft", "layer_skip", "mtp", "hybrid_ngram", "gemma_plain", "gemma_ngram",
+                                  "gemma_assistant"])
 def test_tokens_are_identical_to_one_device(report, case):
     runs = dict(report["tokens"][case])  # a copy: the report is shared by the module's tests
     reference = runs.pop("unsharded")
@@ -118,6 +119,9 @@ def test_bad_meshes_are_refused_by_name(report):
     assert "names no axis of the mesh ('rows', 'cols')" in errors["unknown_mesh_axis"]
     assert "needs 16 devices; 8 are visible" in errors["too_many_devices"]
     assert "same mesh" in errors["draft_on_other_mesh"]
+    # Gemma's per-type kv heads are split, never repeated: a mesh axis they do not divide is named.
+    assert errors["gemma_kv_heads_do_not_divide"].startswith("ShardingError: the 4 kv heads of this GemmaConfig")
+    assert report["placement"]["gemma_2x4"]["k_proj"] == ["P('model', None)"] * 2  # local and global layers
 
 
 def test_rules_can_replicate_attention(report):

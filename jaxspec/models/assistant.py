@@ -75,6 +75,19 @@ class AssistantConfig:
     def dim(self) -> int:  # what `methods` compares with the target's hidden size
         return self.backbone_dim
 
+    # What sharding's axis counts read (a draft on its target's mesh): its own stack's.
+    @property
+    def num_heads(self) -> int:
+        return self.text.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.text.num_kv_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.text.ffn_dim
+
 
 @struct.dataclass
 class AssistantParams:

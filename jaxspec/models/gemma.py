@@ -152,8 +152,9 @@ class GemmaConfig:
                 raise UnsupportedModelError(message)
         self.kv_sources  # noqa: B018 -- raises when a sharing layer has no earlier layer of its type
 
-    # Duck-typed for the code that reads any trunk's config (check_sizes_and_numerics, the memory
-    # check): the RoPE theta of the global layers, the widest head.
+    # Duck-typed for the code that reads any trunk's config (check_sizes_and_numerics; sharding's
+    # axis counts, which a split must divide in every layer type): the RoPE theta of the global
+    # layers, the widest head, the kv heads every layer type's count is a multiple of.
     @property
     def rope_theta(self) -> float:
         return self.full.rope_theta
@@ -168,7 +169,7 @@ class GemmaConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        return max(self.sliding.num_kv_heads, self.full.num_kv_heads)
+        return math.gcd(self.sliding.num_kv_heads, self.full.num_kv_heads)
 
     def truncated(self, num_layers: int) -> GemmaConfig:
         """The config of the first `num_layers` layers (a layer-skip draft): layers the cut keeps
