@@ -22,10 +22,10 @@ import numpy as np
 from jaxspec import checkpoints, compilation
 from jaxspec import grammar as grammar_lib
 from jaxspec.cache import KVFormat
-from jaxspec.config import ModelConfig
 from jaxspec.errors import InvalidRequestError, check_text, is_integer
 from jaxspec.model import Model, layer_skip, lm_head_of, on_mesh_of, with_weight_format
 from jaxspec.models import quant
+from jaxspec.models.qwen35 import Qwen35Config
 from jaxspec.models.layers import fuse_projections
 from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
@@ -314,7 +314,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     # A round writes k + 1 slots (a tree: 1 + num_nodes, or its drafter's scratch slots),
     # padded to the weights' token lanes (LoopSpec.round_width). The Qwen3.5 hybrid is not
     # padded: its recorded-state ring holds k + 2 steps, not the filler.
-    lanes = quant.token_lanes(model.params) if isinstance(cfg, ModelConfig) else 1
+    lanes = 1 if isinstance(cfg, Qwen35Config) else quant.token_lanes(model.params)
     round_width = loop.LoopSpec(cfg=cfg, capacity=0, sampler=sampler, proposer=speculation.proposer,
                                 token_lanes=lanes).round_width
     reach = k if options.tree is None else round_width - 1
