@@ -428,7 +428,8 @@ def from_json_dict(config_class: type, data: Mapping[str, Any], **rebuild: Any) 
         raise UnsupportedModelError(
             f"config fields {sorted(unknown)} are not {config_class.__name__}'s (a newer jaxspec?)")
     fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
-    fields["rope_scaling"] = rope_scaling_from_dict(fields.get("rope_scaling"))
+    if "rope_scaling" in {field.name for field in dataclasses.fields(config_class)}:
+        fields["rope_scaling"] = rope_scaling_from_dict(fields.get("rope_scaling"))
     for name, function in rebuild.items():
         if name in fields:
             fields[name] = function(fields[name])

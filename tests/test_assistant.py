@@ -27,6 +27,7 @@ from jaxspec.errors import InvalidRequestError, UnsupportedModelError
 from jaxspec.models import assistant, create_cache, forward, gemma
 from jaxspec.spec import loop
 from tests.conftest import GEMMA_CONFIGS, TINY, max_relative_error
+from tests.test_gemma import perturb_hf
 from tests.test_spec_sampling import (SIGNIFICANCE, _rejection_without_residual, assert_broken_run_detected,
                                       chi_square_p_value, exact_joint, sampled_joint)
 
@@ -41,20 +42,6 @@ ASSISTANT_TEXT = dict(vocab_size=128, hidden_size=24, intermediate_size=48, num_
                       hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, num_kv_shared_layers=3)
 
 
-def _perturb(model, seed: int) -> None:
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.1)
-        for name, buffer in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                buffer.copy_(torch.rand(buffer.shape, generator=generator) + 0.5)
-            if name.endswith("token_ordering"):
-                buffer.copy_(torch.randperm(buffer.shape[0], generator=generator))
-
-
 @pytest.fixture(scope="module", params=["tied-head", "centroid-head"])
 def pair(request, tmp_path_factory):
     """(HF target, HF assistant, jaxspec target Model, jaxspec assistant Model)."""
@@ -62,12 +49,12 @@ def pair(request, tmp_path_factory):
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
 
     target = Gemma4ForCausalLM(Gemma4TextConfig(**TARGET)).eval()
-    _perturb(target, 0)
+    perturb_hf(target, 0, scale=0.1)
     centroids = request.param == "centroid-head"
     helper = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(
         text_config=Gemma4TextConfig(**ASSISTANT_TEXT), backbone_hidden_size=32, use_ordered_embeddings=centroids,
         num_centroids=8, centroid_intermediate_top_k=2)).eval()
-    _perturb(helper, 1)
+    perturb_hf(helper, 1, scale=0.1)
     target_dir, helper_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("assistant")
     target.save_pretrained(target_dir, safe_serialization=True)
     helper.save_pretrained(helper_dir, safe_serialization=True)

@@ -46,21 +46,30 @@ HF_CASES = {
 }
 
 
+def perturb_hf(model, seed: int, scale: float = 0.05) -> None:
+    """Every weight of a transformers model moved at random (so a swapped tensor cannot hide behind
+    ones or zeros), Gemma 4's layer scalars in [0.5, 1.5), a centroid head's ordering shuffled."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(torch.rand(buffer.shape, generator=generator) + 0.5)
+            if name.endswith("token_ordering"):
+                buffer.copy_(torch.randperm(buffer.shape[0], generator=generator))
+
+
 def _hf_model(case: str, directory):
     """A random transformers model of `case`, saved to `directory`."""
-    import torch
     import transformers
 
     prefix, overrides = HF_CASES[case]
     config = getattr(transformers, f"{prefix}TextConfig")(**HF_COMMON, **overrides)
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
-    generator = torch.Generator().manual_seed(sorted(HF_CASES).index(case))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-        for name, buffer in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                buffer.copy_(torch.rand(buffer.shape, generator=generator) + 0.5)
+    perturb_hf(model, sorted(HF_CASES).index(case))
     model.save_pretrained(directory, safe_serialization=True)
     return model
 

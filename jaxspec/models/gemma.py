@@ -46,7 +46,7 @@ from flax import struct
 
 from jaxspec.cache import KVCache, KVFormat, write_kv
 from jaxspec.config import (RopeScaling, _rope_settings, check_sizes_and_numerics, count, eos_ids, flag, real,
-                            rope_scaling_from_dict, to_json_dict)
+                            from_json_dict, rope_scaling_from_dict, to_json_dict)
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models.family import Family, TensorSource
 from jaxspec.models.layers import (AttentionParams, MlpParams, apply_rope, gelu_tanh, logits_head, output_head,
@@ -740,12 +740,8 @@ def config_to_dict(cfg: GemmaConfig) -> dict[str, Any]:
 
 
 def config_from_dict(data: Mapping[str, Any]) -> GemmaConfig:
-    fields = dict(data)
-    unknown = set(fields) - {field.name for field in dataclasses.fields(GemmaConfig)}
-    if unknown:
-        raise UnsupportedModelError(f"config fields {sorted(unknown)} are not GemmaConfig's (a newer jaxspec?)")
-    fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
-    return GemmaConfig(**fields)
+    """Inverse of config_to_dict (the per-type attention dicts rebuilt by GemmaConfig itself)."""
+    return from_json_dict(GemmaConfig, data)
 
 
 FAMILY = Family(
