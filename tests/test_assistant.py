@@ -45,9 +45,10 @@ ASSISTANT_TEXT = dict(vocab_size=128, hidden_size=24, intermediate_size=48, num_
 @pytest.fixture(scope="module", params=["tied-head", "centroid-head"])
 def pair(request, tmp_path_factory):
     """(HF target, HF assistant, jaxspec target Model, jaxspec assistant Model)."""
-    import torch  # noqa: F401
+    import torch
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
 
+    torch.manual_seed(0)  # the initial weights too: the same models every run
     target = Gemma4ForCausalLM(Gemma4TextConfig(**TARGET)).eval()
     perturb_hf(target, 0, scale=0.1)
     centroids = request.param == "centroid-head"
