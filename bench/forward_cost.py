@@ -1,7 +1,7 @@
 """Shared by the bench scripts: the cost of one trunk forward at T new tokens, and the median
 time of one jitted call (`median_seconds`) and the GPU-or-`--tiny` guard of the kernel timings.
 
-Contract: `forward_costs` times `llama.forward` the way the generation loop runs it (jitted, the
+Contract: `forward_costs` times a trunk's forward (`jaxspec.models.forward`) the way the generation loop runs it (jitted, the
 cache carried through a `fori_loop` and updated in place, batch 1, a cache of a given capacity
 holding a given number of tokens) and returns the median seconds per forward of each variant.
 Variants are timed round-robin, so drift on a shared machine hits them alike. The params are an
@@ -57,7 +57,7 @@ def heap_tree(nodes: int, top_k: int = 4) -> np.ndarray:
 
 
 def forward_costs(variants: dict, capacity: int, length: int, calls: int, iters: int = 4) -> dict:
-    """Median seconds of one `llama.forward` per variant {name: (params, cfg, T)}, or
+    """Median seconds of one trunk forward (`jaxspec.models.forward`, any family) per variant {name: (params, cfg, T)}, or
     {name: (params, cfg, T, parents)} for a tree verify: T = 1 + N tokens under the ancestor mask
     of the tree whose node parents are `parents` int32[N] (`heap_tree`), at the nodes' depths.
 
@@ -66,11 +66,11 @@ def forward_costs(variants: dict, capacity: int, length: int, calls: int, iters:
     cache has `capacity` slots, `length` of them in use. Every variant compiles once (untimed),
     then `calls` timed calls go round-robin over the variants.
     """
-    from jaxspec.cache import KVCache
+    from jaxspec import models
 
     runners = {}
     for name, (params, cfg, steps, *tree) in variants.items():
-        cache = KVCache.create(cfg, 1, capacity).set_length(jnp.full((1,), length, jnp.int32))
+        cache = models.create_cache(cfg, 1, capacity).set_length(jnp.full((1,), length, jnp.int32))
         tokens = jnp.asarray(np.arange(100, 100 + steps, dtype=np.int32)[None])  # [1, T]
         parents = jnp.asarray(tree[0])[None] if tree else None  # [1, N]
         depth = int(np.log2(max(steps, 2))) + 1 if tree else 0  # enough passes for any heap_tree
@@ -88,7 +88,7 @@ def forward_costs(variants: dict, capacity: int, length: int, calls: int, iters:
 def forward_loop(params, tokens, cache, parents=None, *, cfg, iters, depth=0):
     """`iters` forwards of `tokens` [1, T] at the cache's length (under a tree's ancestor mask
     when `parents` is given, as the loop's tree verify runs); a checksum of their logits."""
-    from jaxspec.models import llama
+    from jaxspec import models
     from jaxspec.spec import tree as tree_lib
 
     options = {}
@@ -99,7 +99,7 @@ def forward_loop(params, tokens, cache, parents=None, *, cfg, iters, depth=0):
 
     def body(_, carry):
         cache, checksum = carry
-        logits, _, cache = llama.forward(params, cfg, tokens, cache, **options)
+        logits, _, cache = models.forward(params, cfg, tokens, cache, **options)
         return cache, checksum + logits[0, -1, 0]  # keeps every forward live
 
     return jax.lax.fori_loop(0, iters, body, (cache, jnp.zeros((), jnp.float32)))[1]

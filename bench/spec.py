@@ -104,7 +104,7 @@ MODELS = {
     "gemma3-270m": ModelSettings(
         "Gemma-3-270M (the pretrained base model, not instruction-tuned) Q4_K_M GGUF", "Gemma-3-270M (base)",
         chat=False, section="## Gemma-3-270M: speculation (bench/spec.py --model gemma3-270m)",
-        plot="spec_speedup_gemma3-270m.png", eagle3="none", exit_layers=(4, 6, 9, 12), timing_stop="<unused0>"),
+        plot="spec_speedup_gemma3-270m.png", eagle3="none", exit_layers=(12, 15, 17), timing_stop="<unused0>"),
 }
 
 
@@ -184,49 +184,6 @@ def head_step_cost(model, head, capacity: int, length: int, calls: int, iters: i
 
     timed(loop, head.params, model.params.embed, extra, cache)  # compile
     return median(timed(loop, head.params, model.params.embed, extra, cache)[1] / iters for _ in range(calls))
-
-
-def trunk_forward_costs(variants: dict, capacity: int, length: int, calls: int, iters: int = 4) -> dict:
-    """`forward_cost.forward_costs` for a trunk of any family (Gemma): the same timing, through
-    `jaxspec.models.forward` and `create_cache` (dispatch on the config) where forward_cost's loop
-    calls `llama.forward` and `KVCache.create` itself. The Llama-family default model keeps
-    forward_costs, so its figures come from the same code as before."""
-    from jaxspec import models
-
-    runners = {}
-    for name, (params, cfg, steps, *tree) in variants.items():
-        cache = models.create_cache(cfg, 1, capacity).set_length(jnp.full((1,), length, jnp.int32))
-        tokens = jnp.asarray(np.arange(100, 100 + steps, dtype=np.int32)[None])  # [1, T]
-        parents = jnp.asarray(tree[0])[None] if tree else None  # [1, N]
-        depth = int(np.log2(max(steps, 2))) + 1 if tree else 0  # enough passes for any heap_tree
-        loop = functools.partial(_trunk_forward_loop, cfg=cfg, iters=iters, depth=depth)
-        timed(loop, params, tokens, cache, parents)  # compile
-        runners[name] = (loop, params, tokens, cache, parents)
-    samples = {name: [] for name in variants}
-    for _ in range(calls):  # round-robin over the variants
-        for name, (loop, params, tokens, cache, parents) in runners.items():
-            samples[name].append(timed(loop, params, tokens, cache, parents)[1] / iters)
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "iters", "depth"))
-def _trunk_forward_loop(params, tokens, cache, parents=None, *, cfg, iters, depth=0):
-    """forward_cost.forward_loop through `jaxspec.models.forward`."""
-    from jaxspec import models
-    from jaxspec.spec import tree as tree_lib
-
-    options = {}
-    if parents is not None:
-        depths = tree_lib.node_depths(parents, depth)  # [1, T]
-        options = {"positions": cache.length[:, None] + depths,
-                   "tree_mask": tree_lib.verify_mask(parents, depth, cache.length, tokens.shape[1])}
-
-    def body(_, carry):
-        cache, checksum = carry
-        logits, _, cache = models.forward(params, cfg, tokens, cache, **options)
-        return cache, checksum + logits[0, -1, 0]  # keeps every forward live
-
-    return jax.lax.fori_loop(0, iters, body, (cache, jnp.zeros((), jnp.float32)))[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -769,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, nargs="+", help="prompt-lookup draft lengths (default 2 4 8; --quick 4)")
     parser.add_argument("--hf-k", type=int, default=4, help="HF prompt_lookup_num_tokens (default 4)")
     parser.add_argument("--exit-layers", type=int, nargs="+",
-                        help="layer-skip sweep (default 8 12 16 20, gemma3-270m 4 6 9 12; --quick the 1st and 3rd)")
+                        help="layer-skip sweep (default 8 12 16 20, gemma3-270m 12 15 17; --quick the 1st and 3rd)")
     parser.add_argument("--layer-skip-k", type=int, nargs="+", help="layer-skip k sweep (default 1 2 4)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--cost-capacity", type=int, default=1024)
@@ -835,7 +792,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import jaxspec
     from jaxspec import checkpoints
-    from jaxspec.models import family_of
 
     picked = pick_prompts(args.questions, args.prompts)
     model = jaxspec.load(args.model, weight_format=args.weight_format)
@@ -849,7 +805,6 @@ def main(argv: list[str] | None = None) -> int:
     timing_stop = model.tokenizer.hf_tokenizer.token_to_id(settings.timing_stop)
     assert timing_stop is not None, f"{settings.timing_stop!r} is not a token of {args.model}"
     chat = settings.chat
-    costs_of = forward_costs if family_of(cfg).name == "llama" else trunk_forward_costs
     compile_total = 0.0
 
     # 1. Forward cost at T = 1..max_t with the brief's cache (capacity 1024 holding 300 tokens);
@@ -858,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     # layers (a draft's cost is linear in its layer count: interpolated between).
     start = time.perf_counter()
     ts = range(1, args.cost_max_t + 1)
-    costs = costs_of({f"T={t}": (model.params, cfg, t) for t in ts}, args.cost_capacity,
+    costs = forward_costs({f"T={t}": (model.params, cfg, t) for t in ts}, args.cost_capacity,
                           args.cost_length, args.cost_calls)
     short_ts = sorted({t for t in (1, 2, 3, 5, 9) if t <= args.cost_max_t}
                       | {k + 1 for name in heads for k in head_ks[name]}
@@ -870,13 +825,13 @@ def main(argv: list[str] | None = None) -> int:
             draft = jaxspec.layer_skip(model, e)
             for t in (1, 2):
                 short[f"e={e},T={t}"] = (draft.params, draft.config, t)
-    short_costs = costs_of(short, SHORT_CACHE[0], SHORT_CACHE[1], args.cost_calls)
+    short_costs = forward_costs(short, SHORT_CACHE[0], SHORT_CACHE[1], args.cost_calls)
     if args.tree_cost_nodes:  # a tree verify against a causal forward of the same T
         tree_variants = {}
         for n in args.tree_cost_nodes:
             tree_variants[f"tree T={n + 1}"] = (model.params, cfg, n + 1, heap_tree(n))
             tree_variants[f"causal T={n + 1}"] = (model.params, cfg, n + 1)
-        costs.update(costs_of(tree_variants, args.cost_capacity, args.cost_length, args.cost_calls))
+        costs.update(forward_costs(tree_variants, args.cost_capacity, args.cost_length, args.cost_calls))
     costs.update({f"short {name}": value for name, value in short_costs.items()})
     if not args.no_layer_skip:
         low, high = measured_exits[0], measured_exits[-1]
