@@ -15,7 +15,7 @@ from tests.conftest import TINY
 
 def test_every_method_has_a_builder_and_a_name_the_cli_accepts():
     assert set(BUILDERS) == set(Method)
-    assert [m.value for m in Method] == ["plain", "ngram", "draft", "layer_skip", "eagle3", "mtp"]
+    assert [m.value for m in Method] == ["plain", "ngram", "draft", "layer_skip", "eagle3", "mtp", "assistant"]
     assert Method.parse("layer_skip") is Method.LAYER_SKIP and Method.LAYER_SKIP == "layer_skip"
 
 
