@@ -154,10 +154,12 @@ class KVCache:
                 raise InvalidRequestError(f"KV cache dtype must be float32 or bfloat16; got {dtype}") from None
         kv_format = KVFormat.parse(kv_format)
         kv_format.check(cfg)
-        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        # One buffer per entry of the config's `kv_layout` (every layer, uniform, for the Llama
+        # family; Gemma's per-type shapes, none for its KV-shared layers).
+        shapes = [(batch, heads, capacity, head_dim) for heads, head_dim in kv_layout(cfg)]
         return cls(
-            keys=tuple(kv_quant.zeros(shape, kv_format.keys) for _ in range(cfg.num_layers)),
-            values=tuple(kv_quant.zeros(shape, kv_format.values) for _ in range(cfg.num_layers)),
+            keys=tuple(kv_quant.zeros(shape, kv_format.keys) for shape in shapes),
+            values=tuple(kv_quant.zeros(shape, kv_format.values) for shape in shapes),
             length=jnp.zeros((batch,), jnp.int32),
         )
 

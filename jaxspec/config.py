@@ -335,6 +335,17 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(count(v) for v in value)
 
 
+def gguf_eos_ids(meta: Mapping[str, Any]) -> list[int]:
+    """A GGUF's end-of-generation ids: `tokenizer.ggml.eos_token_id`, `eot_token_id`,
+    `eom_token_id`, each once, in that order."""
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token = meta.get(f"tokenizer.ggml.{key}")
+        if token is not None and count(token) not in ids:
+            ids.append(count(token))
+    return ids
+
+
 def _per_layer_type_view(hf: Mapping[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
     """A config with per-layer-type fields (Mellum) seen as one uniform stack of `layer_type`.
 

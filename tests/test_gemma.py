@@ -188,12 +188,16 @@ def test_a_tree_deeper_than_the_window_is_refused(random_gemma):
         jaxspec.generate(model, model, PROMPTS, method="draft", tree=jaxspec.DraftTree(depth=4, top_k=2, num_nodes=6))
 
 
+# The Gemma 4 stack with head widths a block KV format tiles (32 local, 64 global).
+_BASE = GEMMA_CONFIGS["gemma4-shared-per-layer"]
+BLOCK_KV_GEMMA = dataclasses.replace(_BASE, sliding=dataclasses.replace(_BASE.sliding, head_dim=32, rotary_dim=32),
+                                     full=dataclasses.replace(_BASE.full, head_dim=64, rotary_dim=64),
+                                     max_position_embeddings=128)
+
+
 def test_quantized_kv_cache_speculation_equals_plain():
     """q8_0 K/V (head dims 32 and 64) through the same attend path: ngram == plain in that format."""
-    base = GEMMA_CONFIGS["gemma4-shared-per-layer"]
-    cfg = dataclasses.replace(base, sliding=dataclasses.replace(base.sliding, head_dim=32, rotary_dim=32),
-                              full=dataclasses.replace(base.full, head_dim=64, rotary_dim=64),
-                              max_position_embeddings=128)
+    cfg = BLOCK_KV_GEMMA
     model = Model(config=cfg, params=gemma.init_params(cfg, jax.random.PRNGKey(4), scale=0.3))
     plain = jaxspec.generate(model, None, PROMPTS, max_new_tokens=16, ignore_eos=True, kv_format="q8_0")
     spec = jaxspec.generate(model, None, PROMPTS, max_new_tokens=16, ignore_eos=True, kv_format="q8_0", method="ngram")

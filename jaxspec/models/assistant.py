@@ -38,7 +38,7 @@ from jaxspec.cache import KVCache
 from jaxspec.config import count, flag
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.models import gemma
-from jaxspec.models.gemma import GemmaConfig, GemmaLayer, LayerType
+from jaxspec.models.gemma import GemmaConfig, GemmaLayer
 from jaxspec.models.layers import AttentionParams, MlpParams, logits_head, rms_norm, rope_tables
 from jaxspec.models.params import is_shape, param
 from jaxspec.models.quant import embedding_rows, matmul
@@ -194,7 +194,7 @@ def check_target(cfg: AssistantConfig, target: Any) -> None:
         raise UnsupportedModelError(f"the assistant's vocabulary ({cfg.vocab_size}) differs from the target's "
                                     f"({target.vocab_size})")
     for kind in sorted(set(cfg.text.layer_types), key=lambda k: k.value):
-        mine, theirs = cfg.text.full if kind is LayerType.FULL else cfg.text.sliding, None
+        mine, theirs = cfg.text.attention_for(kind), None
         if kind in target.layer_types[: target.first_shared_layer]:
             theirs = target.attention_of(target.kv_source_of(kind))
         if theirs is None:
@@ -240,12 +240,15 @@ def forward(params: AssistantParams, cfg: AssistantConfig, target_cfg: GemmaConf
     queries = jnp.repeat(position[:, None], steps, axis=1)  # [B, T]
     # No key at or past `position`: a window starting there with nothing visible in it.
     sees_context_only = TreeMask(start=position, visible=jnp.zeros((batch, steps, 1), bool))
+    # Per layer type (once, not per layer): its spec, the sliding layers reaching window + 1 keys
+    # (positions > p - 2 - window), and its RoPE at the query's position.
+    specs = {kind: text.attention_for(kind) for kind in set(text.layer_types)}
+    specs = {kind: spec if spec.window is None else dataclasses.replace(spec, window=spec.window + 1)
+             for kind, spec in specs.items()}
+    rope = {kind: rope_tables(spec, queries) for kind, spec in specs.items()}
     for index, layer in enumerate(params.layers):
         kind = text.layer_types[index]
-        spec = text.attention_of(index)
-        if spec.window is not None:  # keys at positions > p - 2 - window: window + 1 of them
-            spec = dataclasses.replace(spec, window=spec.window + 1)
-        cos, sin = rope_tables(spec, queries)
+        spec, (cos, sin) = specs[kind], rope[kind]
         buffer = target_cfg.kv_source_of(kind)
         mixed, _, _ = gemma.attention_layer(
             layer.attention, spec, text, rms_norm(h, layer.attn_norm, text.norm_eps), cos, sin,

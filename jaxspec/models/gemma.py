@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.cache import KVCache, KVFormat, write_kv
-from jaxspec.config import (RopeScaling, _rope_settings, check_sizes_and_numerics, count, eos_ids, flag, real,
+from jaxspec.cache import KVCache, write_kv
+from jaxspec.config import (RopeScaling, _rope_settings, check_sizes_and_numerics, count, eos_ids, flag, gguf_eos_ids, real,
                             from_json_dict, rope_scaling_from_dict, to_json_dict)
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models.family import Family, TensorSource
@@ -53,7 +53,6 @@ from jaxspec.models.layers import (AttentionParams, MlpParams, apply_rope, gelu_
                                    qkv_projections, rms_norm, rope_tables, swiglu)
 from jaxspec.models.params import LeafFn, param
 from jaxspec.models.quant import embedding_rows, matmul
-from jaxspec.pallas import kv_quant
 from jaxspec.pallas.flash_decode import Attention, TreeMask, attend, quantize_for
 
 
@@ -138,7 +137,7 @@ class GemmaConfig:
             (self.generation in (3, 4), f"generation={self.generation} must be 3 or 4"),
             (self.sliding.window is not None, "the sliding layers need a sliding_window"),
             (self.full.window is None, "full-attention layers have no window"),
-            (0 <= self.num_kv_shared_layers < self.num_layers or self.num_kv_shared_layers == 0,
+            (0 <= self.num_kv_shared_layers < self.num_layers,
              f"num_kv_shared_layers={self.num_kv_shared_layers} must be < num_layers={self.num_layers}"),
             (self.per_layer_dim >= 0 and (self.per_layer_dim == 0 or self.per_layer_vocab >= 1),
              f"per-layer inputs of width {self.per_layer_dim} need vocab_size_per_layer_input >= 1"),
@@ -177,8 +176,11 @@ class GemmaConfig:
         shared = max(0, num_layers - self.first_shared_layer)
         return dataclasses.replace(self, num_layers=num_layers, num_kv_shared_layers=shared)
 
+    def attention_for(self, kind: LayerType) -> GemmaAttention:
+        return self.full if kind is LayerType.FULL else self.sliding
+
     def attention_of(self, index: int) -> GemmaAttention:
-        return self.full if self.layer_types[index] is LayerType.FULL else self.sliding
+        return self.attention_for(self.layer_types[index])
 
     @property
     def first_shared_layer(self) -> int:
@@ -345,19 +347,6 @@ def init_params(cfg: GemmaConfig, key: jax.Array, scale: float = 0.02) -> GemmaP
 # ----------------------------------------------------------------------------------------------
 
 
-def create_cache(cfg: GemmaConfig, batch: int, capacity: int, dtype=jnp.float32, *,
-                 kv_format: KVFormat | str | tuple[str, str] | None = None) -> KVCache:
-    """A KVCache with one buffer per layer that computes K/V, each of its layer type's shape."""
-    if kv_format is None:
-        kv_format = KVFormat(*(2 * (kv_quant.Format.BF16 if jnp.dtype(dtype) == jnp.bfloat16 else kv_quant.Format.F32,)))
-    kv_format = KVFormat.parse(kv_format)
-    kv_format.check(cfg)
-    shapes = [(batch, heads, capacity, head_dim) for heads, head_dim in cfg.kv_layout]
-    return KVCache(keys=tuple(kv_quant.zeros(shape, kv_format.keys) for shape in shapes),
-                   values=tuple(kv_quant.zeros(shape, kv_format.values) for shape in shapes),
-                   length=jnp.zeros((batch,), jnp.int32))
-
-
 def embed_tokens(embed, cfg: GemmaConfig, tokens: jax.Array) -> jax.Array:
     """The scaled embedding [D, B*T] of int32 tokens (any shape) from the table `embed` [V, D]:
     what enters layer 0, and what a Gemma 4 assistant reads of the target's embedding."""
@@ -448,8 +437,7 @@ def forward(
     offsets = cache.length
     if positions is None:
         positions = offsets[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
-    rope = {kind: rope_tables(spec, positions) for kind, spec in ((LayerType.SLIDING, cfg.sliding),
-                                                                   (LayerType.FULL, cfg.full))}
+    rope = {kind: rope_tables(cfg.attention_for(kind), positions) for kind in set(cfg.layer_types)}
     h = embed_tokens(params.embed, cfg, tokens)  # [D, B*T]
     per_layer = per_layer_inputs(params, cfg, tokens, h) if cfg.per_layer_dim else None
     keys, values = list(cache.keys), list(cache.values)
@@ -704,11 +692,7 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
     kinds = tuple(LayerType.FULL if (i + 1) % _GGUF_SWA_PATTERN == 0 else LayerType.SLIDING for i in range(num_layers))
     # llama.cpp scales q.k by 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(D / N).
     query_scale = (dim / num_heads) ** -0.5 if num_layers == 62 else head_dim ** -0.5
-    eos = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        token = meta.get(f"tokenizer.ggml.{key}")
-        if token is not None and count(token) not in eos:
-            eos.append(count(token))
+    eos = gguf_eos_ids(meta)
     tokens = meta.get("tokenizer.ggml.tokens")
     if isinstance(tokens, list) and "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in eos:
         eos.append(tokens.index("<end_of_turn>"))  # what llama.cpp ends a chat turn on
@@ -749,7 +733,7 @@ FAMILY = Family(
     config_class=GemmaConfig,
     params_class=GemmaParams,
     forward=forward,
-    create_cache=create_cache,
+    create_cache=KVCache.create,  # one buffer per `kv_layout` entry
     hf_model_types=HF_MODEL_TYPES,
     config_from_hf=config_from_hf,
     hf_prefixes=_HF_PREFIXES,

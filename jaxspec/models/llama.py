@@ -41,6 +41,7 @@ from jaxspec.config import (
     config_from_hf,
     config_to_dict,
     count,
+    gguf_eos_ids,
     real,
     resolve_rotary_dim,
 )
@@ -313,11 +314,7 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
     window = meta.get(f"{arch}.attention.sliding_window")
     if window:  # full attention up to the window, as config_from_hf does for Mistral
         context = min(context, count(window))
-    eos_ids: list[int] = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        token = meta.get(f"tokenizer.ggml.{key}")
-        if token is not None and count(token) not in eos_ids:
-            eos_ids.append(count(token))
+    eos_ids = gguf_eos_ids(meta)
     bos = meta.get("tokenizer.ggml.bos_token_id")
     architecture = GGUF_ARCHITECTURES[arch]
     return ModelConfig(
