@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 import jax
 import numpy as np
 import pytest
 
+from jaxspec import compilation
 from jaxspec.api import Model
-from jaxspec.config import Architecture, ModelConfig
-from jaxspec.config import RopeScaling, RopeType
+from jaxspec.config import Architecture, ModelConfig, RopeScaling, RopeType
 from jaxspec.models import gemma, llama, qwen35
 
 TINY = ModelConfig(
@@ -54,6 +55,13 @@ GEMMA_CONFIGS = {
                                   values_from_keys=True),
         query_scale=1.0, final_logit_softcap=30.0, per_layer_dim=4, per_layer_vocab=32, num_kv_shared_layers=2),
 }
+
+
+def pytest_configure(config):
+    # The suite never writes XLA's persistent compilation cache (the cache's own tests set a
+    # directory): serializing an XLA:CPU executable has aborted a suite worker outright, taking
+    # its module's compiled fixtures with it. The CLI tests' subprocesses inherit the setting.
+    os.environ.setdefault(compilation.XLA_CACHE_ENV, compilation.XLA_CACHE_OFF)
 
 
 @pytest.fixture(scope="module")
