@@ -107,7 +107,7 @@ def test_the_loop_has_no_host_callback_and_gathers_no_history(report):
                 dims = [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1])]
                 assert capacity not in dims, f"{mesh} {name} all-gathers {shape}: the history or a cache"
             checked += 1
-    assert checked >= 7
+    assert checked >= 6  # plain on every mesh; prompt lookup, EAGLE-3 and the hybrid on (2, 4)
 
 
 def test_bad_meshes_are_refused_by_name(report):
