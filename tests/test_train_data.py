@@ -44,6 +44,32 @@ def test_pack_and_response_mask():
         train.pack(examples[2:], 6)
 
 
+def test_a_two_turn_conversation_trains_on_both_answers_only(tmp_path):
+    """An explicit assistant mask (user, answer, user, answer): the loss counts the positions
+    before every assistant token and none before a user token; it is what the single-turn mask
+    is when there is one turn; it survives subset, save and load, and changes the fingerprint."""
+    tokens = np.asarray([[1, 2, 10, 11, 3, 4, 12, 13, 0, 0],
+                         [1, 2, 3, 14, 15, 16, 0, 0, 0, 0]], np.int32)
+    lengths = np.asarray([8, 6], np.int32)
+    assistant = np.zeros_like(tokens, bool)
+    assistant[0, [2, 3, 6, 7]] = True  # both answers of row 0
+    assistant[1, 3:6] = True  # row 1: one turn, prompt of 3
+    data = train.Dataset(tokens, lengths, np.asarray([2, 3], np.int32), assistant)
+    mask = np.asarray(data.batch([0, 1, -1])["loss_mask"])
+    np.testing.assert_array_equal(mask[0], [0, 1, 1, 0, 0, 1, 1, 0, 0, 0])  # t before tokens 2, 3, 6, 7
+    single = train.response_mask(jnp.asarray([6]), jnp.asarray([3]), 10)[0]
+    np.testing.assert_array_equal(mask[1], single)
+    assert not mask[2].any()  # the empty row
+    vocab = train.draft_vocab(data, vocab_size=20, draft_vocab_size=7)
+    assert vocab.target_ids.tolist() == [10, 11, 12, 13, 14, 15, 16]  # answers only, never 3 or 4
+    path = tmp_path / "two_turns.npz"
+    data.subset([0]).save(path)
+    loaded = train.Dataset.load(path)
+    np.testing.assert_array_equal(loaded.assistant, assistant[:1])
+    assert loaded.fingerprint() == data.subset([0]).fingerprint()
+    assert data.fingerprint() != train.Dataset(tokens, lengths, data.prompt_lengths).fingerprint()
+
+
 def test_batch_order_depends_only_on_seed_and_step():
     first = [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]
     assert first == [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]

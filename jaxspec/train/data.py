@@ -5,7 +5,8 @@
                                                          `jaxspec.generate`), so the head learns the
                                                          distribution it will be verified against
     batches   pack -> Dataset                            right-padded int32[N, T] + lengths
-    masks     response_mask                              which positions' predictions are answer tokens
+    masks     response_mask / loss_mask                  which positions' predictions are answer tokens
+                                                         (every assistant turn of a conversation)
     order     split / batch_indices                      held-out rows; a step's rows, a function of
                                                          (seed, step) alone, so a resumed run reads
                                                          the same batches
@@ -138,6 +139,9 @@ class Dataset:
     tokens: np.ndarray  # int32[N, T]
     lengths: np.ndarray  # int32[N]: valid tokens per row
     prompt_lengths: np.ndarray  # int32[N]: the first prompt_lengths[n] tokens are the prompt
+    # bool[N, T]: which tokens the assistant wrote, for conversations of several turns (the user's
+    # later turns sit between answers); None: tokens prompt_lengths[n] .. lengths[n] - 1.
+    assistant: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -146,39 +150,58 @@ class Dataset:
     def seq_len(self) -> int:
         return self.tokens.shape[1]
 
+    def assistant_tokens(self, indices: Sequence[int] | None = None) -> np.ndarray:
+        """bool[B, T]: the tokens of rows `indices` (default all) that the assistant wrote."""
+        indices = np.arange(len(self)) if indices is None else np.asarray(indices, np.int64)
+        if self.assistant is not None:
+            return self.assistant[indices]
+        positions = np.arange(self.seq_len)[None, :]
+        return (positions >= self.prompt_lengths[indices, None]) & (positions < self.lengths[indices, None])
+
     def batch(self, indices: Sequence[int]) -> dict[str, jax.Array]:
-        """Rows `indices`; an index of -1 is an empty row (length 0: no loss, no accuracy)."""
+        """Rows `indices` and their loss mask; an index of -1 is an empty row (length 0: no loss,
+        no accuracy)."""
         indices = np.asarray(indices)
         empty = indices < 0
         safe = np.where(empty, 0, indices)
+        lengths = np.where(empty, 0, self.lengths[safe])
         return {
             "tokens": jnp.asarray(np.where(empty[:, None], 0, self.tokens[safe])),
-            "lengths": jnp.asarray(np.where(empty, 0, self.lengths[safe])),
+            "lengths": jnp.asarray(lengths),
             "prompt_lengths": jnp.asarray(np.where(empty, 0, self.prompt_lengths[safe])),
+            "loss_mask": jnp.asarray(loss_mask(self.assistant_tokens(safe), lengths)),
         }
 
     def subset(self, indices: Sequence[int]) -> "Dataset":
         indices = np.asarray(indices, np.int64)
-        return Dataset(self.tokens[indices], self.lengths[indices], self.prompt_lengths[indices])
+        return Dataset(self.tokens[indices], self.lengths[indices], self.prompt_lengths[indices],
+                       None if self.assistant is None else self.assistant[indices])
 
     def fingerprint(self) -> str:
         digest = hashlib.sha256()
-        for array in (self.tokens, self.lengths, self.prompt_lengths):
+        arrays = (self.tokens, self.lengths, self.prompt_lengths) + (() if self.assistant is None else (self.assistant,))
+        for array in arrays:
             digest.update(np.ascontiguousarray(array, np.int32).tobytes())
             digest.update(str(array.shape).encode())
         return digest.hexdigest()[:16]
 
     def save(self, path: pathlib.Path) -> None:
-        np.savez(path, tokens=self.tokens, lengths=self.lengths, prompt_lengths=self.prompt_lengths)
+        optional = {} if self.assistant is None else {"assistant": self.assistant}
+        np.savez(path, tokens=self.tokens, lengths=self.lengths, prompt_lengths=self.prompt_lengths, **optional)
 
     @classmethod
     def load(cls, path: pathlib.Path) -> "Dataset":
         try:
             with np.load(path) as data:
-                return cls(data["tokens"].astype(np.int32), data["lengths"].astype(np.int32),
-                           data["prompt_lengths"].astype(np.int32))
+                assistant = data["assistant"].astype(bool) if "assistant" in data.files else None
+                loaded = cls(data["tokens"].astype(np.int32), data["lengths"].astype(np.int32),
+                             data["prompt_lengths"].astype(np.int32), assistant)
         except (OSError, KeyError, ValueError) as error:
             raise CheckpointError(f"{path} is not a readable training data file: {error}") from None
+        if loaded.assistant is not None and loaded.assistant.shape != loaded.tokens.shape:
+            raise CheckpointError(f"{path}: its assistant mask {loaded.assistant.shape} does not match its tokens "
+                                  f"{loaded.tokens.shape}")
+        return loaded
 
 
 def pack(examples: Sequence[Example], seq_len: int) -> Dataset:
@@ -202,9 +225,18 @@ def pack(examples: Sequence[Example], seq_len: int) -> Dataset:
 
 def response_mask(lengths: jax.Array, prompt_lengths: jax.Array, seq_len: int) -> jax.Array:
     """bool[B, T]: position t's next-token prediction is a response token of the data
-    (prompt_length - 1 <= t < length - 1). The loss mask, before the head's alignment shift."""
+    (prompt_length - 1 <= t < length - 1). The loss mask, before the head's alignment shift, of
+    single-turn rows (`loss_mask` of their assistant tokens)."""
     positions = jnp.arange(seq_len)[None, :]
     return (positions >= prompt_lengths[:, None] - 1) & (positions < lengths[:, None] - 1)
+
+
+def loss_mask(assistant: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """bool[B, T]: position t's next token is one the assistant wrote (`assistant[:, t + 1]`,
+    t + 1 < length), in any turn. The loss mask, before the head's alignment shift."""
+    next_is_assistant = np.zeros_like(assistant, dtype=bool)
+    next_is_assistant[:, :-1] = assistant[:, 1:]
+    return next_is_assistant & (np.arange(assistant.shape[1])[None, :] < np.asarray(lengths)[:, None] - 1)
 
 
 def split(num_examples: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -253,8 +285,8 @@ def draft_vocab(data: Dataset, vocab_size: int, draft_vocab_size: int) -> DraftV
     if not isinstance(draft_vocab_size, int) or not 1 <= draft_vocab_size <= vocab_size:
         raise InvalidRequestError(f"draft_vocab_size must be an integer in [1, {vocab_size}]; got {draft_vocab_size!r}")
     positions = np.arange(data.seq_len)[None, :]
-    in_response = (positions >= data.prompt_lengths[:, None]) & (positions < data.lengths[:, None])
-    in_prompt = positions < np.minimum(data.prompt_lengths, data.lengths)[:, None]
+    in_response = data.assistant_tokens()
+    in_prompt = (positions < data.lengths[:, None]) & ~in_response
     response_counts = np.bincount(data.tokens[in_response], minlength=vocab_size)[:vocab_size]
     prompt_counts = np.bincount(data.tokens[in_prompt], minlength=vocab_size)[:vocab_size]
     # lexsort sorts by the last key first: response count, then prompt count (both descending),

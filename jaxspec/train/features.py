@@ -28,7 +28,7 @@ from jaxspec import models
 from jaxspec.api import Model
 from jaxspec.errors import InvalidRequestError, UnsupportedModelError
 from jaxspec.train.config import StepSpec
-from jaxspec.train.data import Dataset, response_mask
+from jaxspec.train.data import Dataset
 from jaxspec.train.heads import Frozen
 
 
@@ -43,7 +43,7 @@ def target_batch(target_params: Any, target_cfg, hidden_layers: tuple[int, ...],
         features    tuple of [B, T, D], the target's `hidden_layers` (EAGLE-3: its three aux
                     layers; MTP: (L,), the final-normed stream)
         labels      int32[B, T]   the target's own next-token argmax at each position
-        loss_mask   bool[B, T]    position t's prediction is a response token (see response_mask)
+        loss_mask   bool[B, T]    position t's prediction is an assistant token (Dataset.batch, loss_mask)
         label_probs [B, T, Vd]    with `draft_ids`: the target's distribution restricted to them
     """
     tokens = batch["tokens"]  # int32[B, T]
@@ -51,7 +51,7 @@ def target_batch(target_params: Any, target_cfg, hidden_layers: tuple[int, ...],
     cache = models.create_cache(target_cfg, rows, seq_len)
     logits, features, _ = models.forward(target_params, target_cfg, tokens, cache, hidden_layers=hidden_layers)
     out = {"tokens": tokens, "features": features, "labels": jnp.argmax(logits, axis=-1).astype(jnp.int32),
-           "loss_mask": response_mask(batch["lengths"], batch["prompt_lengths"], seq_len)}
+           "loss_mask": batch["loss_mask"]}
     if draft_ids is not None:
         out["label_probs"] = jax.nn.softmax(jnp.take(logits, draft_ids, axis=-1), axis=-1)
     return out
@@ -180,6 +180,6 @@ def target_source(target: Model, data: Dataset, frozen: Frozen, spec: StepSpec, 
         features, labels = cache.rows(rows, spec.hidden_layers)  # [B, F, T, D], [B, T]
         return {"tokens": batch["tokens"], "features": tuple(jnp.asarray(features[:, i]) for i in range(features.shape[1])),
                 "labels": jnp.asarray(labels),
-                "loss_mask": response_mask(batch["lengths"], batch["prompt_lengths"], data.seq_len)}
+                "loss_mask": batch["loss_mask"]}
 
     return targets_for
