@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--max-new-tokens", type=int, default=128, help="answer length when self-distilling")
     head.add_argument("--draft-vocab-size", type=int, default=None,
                       help="EAGLE-3: draft over the N most frequent answer tokens (default: the whole vocabulary)")
+    head.add_argument("--draft-vocab-coverage", type=float, default=None,
+                      help="EAGLE-3: the smallest draft vocabulary (a multiple of 256) covering this fraction of "
+                           "the answers' tokens, e.g. 0.99; instead of --draft-vocab-size")
     head.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate")
     head.add_argument("--warmup-steps", type=int, default=50)
     head.add_argument("--ttt-steps", type=int, default=3, help="unrolled head steps per position (training-time test)")
@@ -290,7 +293,8 @@ def _train_head(args) -> None:
         method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
         warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, soft_labels=args.soft_labels,
         cache_features=not (args.no_feature_cache or args.soft_labels),
-        draft_vocab_size=args.draft_vocab_size, val_fraction=args.val_fraction, eval_every=args.eval_every,
+        draft_vocab_size=args.draft_vocab_size, draft_vocab_coverage=args.draft_vocab_coverage,
+        val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed)
     result, stats = train.train_head(args.model, args.out, config, prompts=prompts, data=data, seq_len=args.seq_len,
                                      max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,

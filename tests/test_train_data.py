@@ -70,6 +70,22 @@ def test_a_two_turn_conversation_trains_on_both_answers_only(tmp_path):
     assert data.fingerprint() != train.Dataset(tokens, lengths, data.prompt_lengths).fingerprint()
 
 
+def test_the_draft_vocabulary_can_be_sized_by_the_answers_it_covers():
+    # 1000 answer tokens over 600 ids: id i (< 300) appears 3 times, id 300 + j (< 100) once.
+    answers = [i for i in range(300) for _ in range(3)] + [300 + j for j in range(100)]
+    data = train.pack([train.Example(tokens=(1, 2, *answers), prompt_length=2)], 1002)
+    coverage = train.answer_token_coverage(data, vocab_size=600)
+    assert coverage[299] == pytest.approx(0.9) and coverage[399] == pytest.approx(1.0)
+    assert train.draft_vocab_size_for(data, 600, 0.5) == 256  # 167 tokens, rounded up to 256
+    assert train.draft_vocab_size_for(data, 600, 0.9) == 512  # 300 tokens
+    assert train.draft_vocab_size_for(data, 600, 1.0) == 512  # 400 tokens
+    assert train.draft_vocab_size_for(data, 300, 1.0) == 300  # never past the vocabulary
+    with pytest.raises(jaxspec.InvalidRequestError, match="not both"):
+        train.TrainConfig(draft_vocab_size=256, draft_vocab_coverage=0.9)
+    with pytest.raises(jaxspec.InvalidRequestError, match="draft_vocab_coverage must be in"):
+        train.TrainConfig(draft_vocab_coverage=1.5)
+
+
 def test_batch_order_depends_only_on_seed_and_step():
     first = [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]
     assert first == [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]

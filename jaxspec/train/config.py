@@ -41,7 +41,10 @@ class TrainConfig:
     step_decay: float = 0.8  # step j's loss weight is step_decay ** j
     soft_labels: bool = False  # cross-entropy against the target's distribution over the draft vocab
     cache_features: bool = True  # the target runs once per row into a FeatureCache, not once per step
-    draft_vocab_size: int | None = None  # EAGLE-3; None = the target's vocabulary
+    draft_vocab_size: int | None = None  # EAGLE-3; None = the target's vocabulary (or by coverage)
+    # EAGLE-3: the smallest draft vocabulary (a multiple of 256) whose tokens make up at least this
+    # fraction of the training answers' tokens (data.draft_vocab_size_for); instead of a size.
+    draft_vocab_coverage: float | None = None
     aux_layer_ids: tuple[int, ...] | None = None  # EAGLE-3; None = eagle3_config_for's default
     val_fraction: float = 0.05
     eval_every: int = 100
@@ -82,6 +85,12 @@ class TrainConfig:
         vocab = self.draft_vocab_size
         if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
             raise InvalidRequestError(f"draft_vocab_size must be an integer >= 1; got {self.draft_vocab_size!r}")
+        coverage = self.draft_vocab_coverage
+        if coverage is not None:
+            if vocab is not None:
+                raise InvalidRequestError("give draft_vocab_size or draft_vocab_coverage, not both")
+            if isinstance(coverage, bool) or not isinstance(coverage, (int, float)) or not 0 < coverage <= 1:
+                raise InvalidRequestError(f"draft_vocab_coverage must be in (0, 1]; got {coverage!r}")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

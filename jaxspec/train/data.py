@@ -278,6 +278,22 @@ class DraftVocab:
         return lookup
 
 
+def answer_token_coverage(data: Dataset, vocab_size: int) -> np.ndarray:
+    """float64[V]: entry n - 1 is the fraction of the data's assistant tokens that the n most
+    frequent of them make up (what a draft vocabulary of n tokens can ever propose)."""
+    counts = np.bincount(data.tokens[data.assistant_tokens()], minlength=vocab_size)[:vocab_size]
+    total = max(int(counts.sum()), 1)
+    return np.cumsum(np.sort(counts)[::-1]) / total
+
+
+def draft_vocab_size_for(data: Dataset, vocab_size: int, coverage: float, multiple: int = 256) -> int:
+    """The smallest draft vocabulary, a multiple of `multiple` (at most the whole vocabulary), whose
+    tokens cover at least `coverage` of the data's assistant tokens."""
+    reached = answer_token_coverage(data, vocab_size) >= coverage - 1e-12
+    needed = int(np.argmax(reached)) + 1 if reached.any() else vocab_size
+    return min(vocab_size, -(-needed // multiple) * multiple)
+
+
 def draft_vocab(data: Dataset, vocab_size: int, draft_vocab_size: int) -> DraftVocab:
     """The `draft_vocab_size` target tokens the head may draft: the most frequent response tokens
     (what it will be asked to predict), then prompt tokens, then the lowest unused ids, ties broken

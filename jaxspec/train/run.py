@@ -43,6 +43,7 @@ from jaxspec.train.data import (
     DraftVocab,
     batch_indices,
     draft_vocab,
+    draft_vocab_size_for,
     pack,
     self_distill,
     self_instruct_examples,
@@ -118,11 +119,15 @@ def _head_setup(target: Model, train_data: Dataset, cfg: TrainConfig):
     """(head config, hidden layers read, draft vocabulary) for this target and data."""
     vocab_size = target.config.vocab_size
     if cfg.method is Method.EAGLE3:
-        vocab = draft_vocab(train_data, vocab_size, cfg.draft_vocab_size or vocab_size)
+        size = cfg.draft_vocab_size or vocab_size
+        if cfg.draft_vocab_coverage is not None:
+            size = draft_vocab_size_for(train_data, vocab_size, cfg.draft_vocab_coverage)
+        vocab = draft_vocab(train_data, vocab_size, size)
         head_cfg = eagle3_config_for(target.config, len(vocab.target_ids), cfg.aux_layer_ids)
         return head_cfg, eagle3.target_hidden_layers(head_cfg.aux_layer_ids), vocab
-    if cfg.draft_vocab_size not in (None, vocab_size):
-        raise InvalidRequestError("an MTP head drafts over the target's whole vocabulary: leave draft_vocab_size unset")
+    if cfg.draft_vocab_size not in (None, vocab_size) or cfg.draft_vocab_coverage is not None:
+        raise InvalidRequestError("an MTP head drafts over the target's whole vocabulary: leave draft_vocab_size "
+                                  "and draft_vocab_coverage unset")
     identity = np.arange(vocab_size, dtype=np.int64)
     vocab = DraftVocab(target_ids=identity, d2t=np.zeros(vocab_size, np.int64), t2d=np.ones(vocab_size, bool))
     return mtp_config_for(target.config), (target.config.num_layers,), vocab
