@@ -13,6 +13,7 @@ import json
 import pathlib
 import re
 import sys
+from typing import Any
 
 from jaxspec import api, checkpoints, compilation, distributed, sharding
 from jaxspec.errors import InvalidRequestError, JaxspecError
@@ -117,6 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--overwrite", action="store_true")
     convert.add_argument("--weight-format", choices=[f.value for f in WeightFormat if f is not WeightFormat.AUTO],
                          default=WeightFormat.F32.value, help="how the directory stores the weights (default f32)")
+
+    corpus = commands.add_parser(
+        "corpus", help="build (or resume) a draft head's training corpus: prompts, the model's answers, second turns")
+    corpus.add_argument("--model", default=api.DEFAULT_MODEL, help="the target: a name, a .gguf file or a directory")
+    corpus.add_argument("--out", required=True, help="the corpus directory (rerun the same command to resume)")
+    corpus.add_argument("--weight-format", **WEIGHT_FORMAT_FLAG)
+    corpus.add_argument("--status", action="store_true", help="print which stages are done and exit")
+    # One flag per CorpusPlan field (--magpie, --math, --prompts-file, --seq-len, ...), defaulting to the plan's.
+    for name, (default, kind) in _corpus_plan_fields().items():
+        flags = ["--" + name.replace("_", "-")] + (["--prompts"] if name == "prompts_file" else [])
+        corpus.add_argument(*flags, dest=name, type=kind, default=None, help=f"CorpusPlan.{name} (default {default})")
 
     head = commands.add_parser("train-head", help="train an EAGLE-3 or MTP draft head on the model's own answers")
     head.add_argument("--method", choices=("eagle3", "mtp"), default="eagle3")
@@ -282,6 +294,28 @@ def _score(args) -> None:
     print(f"perplexity {perplexity:.4f} over {len(scored)} tokens")
 
 
+def _corpus_plan_fields() -> dict[str, tuple[Any, type]]:
+    """CorpusPlan's fields: name -> (default, the argparse type of its values)."""
+    from jaxspec.train.corpus import CorpusPlan
+
+    kinds = {"int": int, "float": float, "str": str}
+    return {field.name: (field.default, next(kind for word, kind in kinds.items() if word in str(field.type)))
+            for field in dataclasses.fields(CorpusPlan)}
+
+
+def _corpus(args) -> None:
+    from jaxspec.train import corpus
+
+    if args.status:
+        print(json.dumps(corpus.corpus_status(args.out), indent=2))
+        return
+    given = {name: getattr(args, name) for name in _corpus_plan_fields() if getattr(args, name) is not None}
+    plan = corpus.CorpusPlan(**given)
+    model = api.load(args.model, weight_format=args.weight_format, progress=True)
+    manifest = corpus.build_corpus(model, args.out, plan, progress=True)
+    print(json.dumps(manifest, indent=2))
+
+
 def _train_head(args) -> None:
     from jaxspec import train  # optax and orbax load only for training
 
@@ -323,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             out = checkpoints.convert(args.source, args.output, overwrite=args.overwrite, progress=True,
                                       weight_format=args.weight_format)
             print(f"converted {args.source} -> {out}")
+        elif args.command == "corpus":
+            _corpus(args)
         elif args.command == "train-head":
             _train_head(args)
     except JaxspecError as error:

@@ -86,6 +86,20 @@ def test_the_draft_vocabulary_can_be_sized_by_the_answers_it_covers():
         train.TrainConfig(draft_vocab_coverage=1.5)
 
 
+def test_rows_the_data_holds_out_are_the_validation_rows(tmp_path):
+    """A corpus's own split (by template and source) wins over the random one, and survives a save."""
+    data = train.pack([train.Example(tokens=(1, 2, 3 + i), prompt_length=2) for i in range(6)], 4)
+    held = np.asarray([0, 1, 0, 0, 1, 0], bool)
+    marked = train.Dataset(data.tokens, data.lengths, data.prompt_lengths, held_out=held)
+    train_rows, val_rows = train.split_rows(marked, 0.5, seed=0)
+    assert train_rows.tolist() == [0, 2, 3, 5] and val_rows.tolist() == [1, 4]
+    assert [r.tolist() for r in train.split_rows(data, 0.5, seed=0)] == [r.tolist() for r in train.split(6, 0.5, 0)]
+    marked.save(tmp_path / "held.npz")
+    assert train.Dataset.load(tmp_path / "held.npz").held_out.tolist() == held.tolist()
+    with pytest.raises(jaxspec.InvalidRequestError, match="every row of the data is held out"):
+        train.split_rows(train.Dataset(data.tokens, data.lengths, data.prompt_lengths, held_out=np.ones(6, bool)), 0, 0)
+
+
 def test_batch_order_depends_only_on_seed_and_step():
     first = [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]
     assert first == [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]

@@ -2,6 +2,9 @@
 
 The pipeline, each stage a plain function:
 
+    corpus    build_corpus (CorpusPlan)                  a resumable corpus: Magpie prompts, self-instruct,
+                                                         math, a prompts file; the target's answers and
+                                                         second turns; Spec-Bench held out; dataset.npz
     prompts   read_prompts_jsonl / tokenize_prompts      JSONL -> token ids
     answers   self_distill                               the target answers them greedily (batched
                                                          `jaxspec.generate`), so the head learns the
@@ -18,6 +21,7 @@ The pipeline, each stage a plain function:
 
 The modules, one concept each (every public name is re-exported here):
 
+    corpus      the resumable training corpus (sources, filters, Spec-Bench hold-out, second turns, split)
     data        prompts, self-distillation, the packed Dataset, masks, splits, batch order, draft vocabulary
     config      TrainConfig, the optimizer it defines, StepSpec (the static half of a jitted step)
     heads       the head for a target: its config, initial params, the trainable part
@@ -42,7 +46,22 @@ from jaxspec.train.data import (
     self_distill,
     self_instruct_examples,
     split,
+    split_rows,
     tokenize_prompts,
+)
+from jaxspec.train.corpus import (
+    CorpusPlan,
+    PackedCorpus,
+    Synthesis,
+    build_corpus,
+    corpus_status,
+    deduplicate,
+    drop_near,
+    held_out_split,
+    math_prompts,
+    spec_bench_questions,
+    synthesize_follow_ups,
+    synthesize_user_prompts,
 )
 from jaxspec.train.features import FEATURE_META, FeatureCache, cache_features, target_batch, target_source
 from jaxspec.train.heads import Frozen, HeadParams, eagle3_config_for, init_head, mtp_config_for, trainable_params
@@ -61,11 +80,13 @@ from jaxspec.train.run import (
 )
 
 __all__ = [
+    "CorpusPlan", "PackedCorpus", "Synthesis", "build_corpus", "corpus_status", "deduplicate", "drop_near",
+    "held_out_split", "math_prompts", "spec_bench_questions", "synthesize_follow_ups", "synthesize_user_prompts",
     "CHECKPOINT_DIR", "DATA_FILE", "FEATURE_DIR", "FEATURE_META", "MTP_HEAD_DIR", "RUN_FILE",
     "Dataset", "DraftVocab", "Example", "FeatureCache", "Frozen", "HeadParams", "Method", "StepSpec",
     "TrainConfig", "TrainResult", "batch_indices", "cache_features", "answer_token_coverage", "draft_vocab", "draft_vocab_size_for", "eagle3_config_for",
     "evaluate", "init_head", "loss_mask", "measure_tau", "mtp_config_for", "optimizer", "pack", "read_prompts_jsonl",
-    "response_mask", "saved_run", "self_distill", "self_instruct_examples", "split", "summarise",
+    "response_mask", "saved_run", "self_distill", "self_instruct_examples", "split", "split_rows", "summarise",
     "target_batch", "target_source", "tokenize_prompts", "train", "train_head", "train_step",
     "trainable_params",
 ]

@@ -142,6 +142,9 @@ class Dataset:
     # bool[N, T]: which tokens the assistant wrote, for conversations of several turns (the user's
     # later turns sit between answers); None: tokens prompt_lengths[n] .. lengths[n] - 1.
     assistant: np.ndarray | None = None
+    # bool[N]: rows held out of training (validation), e.g. the corpus's split disjoint by template
+    # and source (jaxspec.train.corpus.held_out_split); None: `split` draws them at random.
+    held_out: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -175,32 +178,39 @@ class Dataset:
     def subset(self, indices: Sequence[int]) -> "Dataset":
         indices = np.asarray(indices, np.int64)
         return Dataset(self.tokens[indices], self.lengths[indices], self.prompt_lengths[indices],
-                       None if self.assistant is None else self.assistant[indices])
+                       None if self.assistant is None else self.assistant[indices],
+                       None if self.held_out is None else self.held_out[indices])
 
     def fingerprint(self) -> str:
         digest = hashlib.sha256()
-        arrays = (self.tokens, self.lengths, self.prompt_lengths) + (() if self.assistant is None else (self.assistant,))
+        arrays = (self.tokens, self.lengths, self.prompt_lengths)
+        arrays += tuple(array for array in (self.assistant, self.held_out) if array is not None)
         for array in arrays:
             digest.update(np.ascontiguousarray(array, np.int32).tobytes())
             digest.update(str(array.shape).encode())
         return digest.hexdigest()[:16]
 
     def save(self, path: pathlib.Path) -> None:
-        optional = {} if self.assistant is None else {"assistant": self.assistant}
+        optional = {name: array for name, array in (("assistant", self.assistant), ("held_out", self.held_out))
+                    if array is not None}
         np.savez(path, tokens=self.tokens, lengths=self.lengths, prompt_lengths=self.prompt_lengths, **optional)
 
     @classmethod
     def load(cls, path: pathlib.Path) -> "Dataset":
         try:
             with np.load(path) as data:
-                assistant = data["assistant"].astype(bool) if "assistant" in data.files else None
+                optional = {name: data[name].astype(bool) if name in data.files else None
+                            for name in ("assistant", "held_out")}
                 loaded = cls(data["tokens"].astype(np.int32), data["lengths"].astype(np.int32),
-                             data["prompt_lengths"].astype(np.int32), assistant)
+                             data["prompt_lengths"].astype(np.int32), **optional)
         except (OSError, KeyError, ValueError) as error:
             raise CheckpointError(f"{path} is not a readable training data file: {error}") from None
         if loaded.assistant is not None and loaded.assistant.shape != loaded.tokens.shape:
             raise CheckpointError(f"{path}: its assistant mask {loaded.assistant.shape} does not match its tokens "
                                   f"{loaded.tokens.shape}")
+        if loaded.held_out is not None and loaded.held_out.shape != loaded.lengths.shape:
+            raise CheckpointError(f"{path}: its held_out flags {loaded.held_out.shape} do not match its "
+                                  f"{len(loaded)} rows")
         return loaded
 
 
@@ -237,6 +247,16 @@ def loss_mask(assistant: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     next_is_assistant = np.zeros_like(assistant, dtype=bool)
     next_is_assistant[:, :-1] = assistant[:, 1:]
     return next_is_assistant & (np.arange(assistant.shape[1])[None, :] < np.asarray(lengths)[:, None] - 1)
+
+
+def split_rows(data: Dataset, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, validation indices): the data's own held-out rows when it has them (a
+    corpus split by template and source), else `split`'s random draw."""
+    if data.held_out is None:
+        return split(len(data), val_fraction, seed)
+    if data.held_out.all():
+        raise InvalidRequestError("every row of the data is held out: nothing to train on")
+    return np.flatnonzero(~data.held_out), np.flatnonzero(data.held_out)
 
 
 def split(num_examples: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -47,7 +47,7 @@ from jaxspec.train.data import (
     pack,
     self_distill,
     self_instruct_examples,
-    split,
+    split_rows,
     tokenize_prompts,
 )
 from jaxspec.train.features import target_source
@@ -166,7 +166,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     _check_head_dtype(head_dtype)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_rows, val_rows = split(len(data), cfg.val_fraction, cfg.seed)
+    train_rows, val_rows = split_rows(data, cfg.val_fraction, cfg.seed)
     head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg)
     spec = StepSpec(train=cfg, target_cfg=target.config, head_cfg=head_cfg, hidden_layers=hidden_layers)
     frozen = {"embed": target.params.embed,
@@ -314,7 +314,7 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
     result = train(target, data, out_dir, cfg, resume=resume, feature_dir=feature_dir, head_dtype=head_dtype,
                    progress=progress)
     stats = None
-    _, val_rows = split(len(data), cfg.val_fraction, cfg.seed)
+    _, val_rows = split_rows(data, cfg.val_fraction, cfg.seed)
     held_out = [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in val_rows[:tau_prompts]]
     if held_out and result.head_path is not None:
         stats = measure_tau(target, result.head, held_out, num_draft_tokens=num_draft_tokens,
