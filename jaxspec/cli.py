@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     head = commands.add_parser("train-head", help="train an EAGLE-3 or MTP draft head on the model's own answers")
     head.add_argument("--method", choices=("eagle3", "mtp"), default="eagle3")
+    head.add_argument("--mtp-random-block", action="store_true",
+                      help="MTP: start the head's block from random weights, not from the target's last layer")
     head.add_argument("--model", default=api.DEFAULT_MODEL, help="the target: a name, a .gguf file or a directory")
     head.add_argument("--out", required=True,
                       help="the run's directory: checkpoints, data, and the head (EAGLE-3: generate with --draft OUT)")
@@ -328,6 +330,7 @@ def _train_head(args) -> None:
         warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, soft_labels=args.soft_labels,
         cache_features=not (args.no_feature_cache or args.soft_labels),
         draft_vocab_size=args.draft_vocab_size, draft_vocab_coverage=args.draft_vocab_coverage,
+        mtp_block_from_last_layer=not args.mtp_random_block,
         val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed)
     result, stats = train.train_head(args.model, args.out, config, prompts=prompts, data=data, seq_len=args.seq_len,

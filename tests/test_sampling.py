@@ -58,6 +58,48 @@ def test_processed_distribution_matches_transformers(setting):
     np.testing.assert_allclose(jax.nn.softmax(ours), jax.nn.softmax(reference), atol=1e-6)
 
 
+def _kept_by_sorting(row: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """The kept set as a sort defines it (numpy, float64): the top_k largest (ties at the k-th
+    included), then the smallest descending prefix of their mass reaching top_p (ties with its
+    last token included)."""
+    finite = np.isfinite(row)
+    order = np.argsort(-row, kind="stable")
+    keep = finite.copy()
+    if top_k:
+        kth = row[order[min(top_k, row.size) - 1]]
+        keep &= row >= kth
+    if top_p < 1:
+        probs = np.where(keep, np.exp(row - row[keep].max()), 0.0)
+        probs /= probs.sum()
+        ordered = probs[order]
+        before = np.cumsum(ordered) - ordered
+        last = row[order[np.flatnonzero(before < top_p)[-1]]]
+        keep &= row >= last
+    return keep
+
+
+def test_top_k_and_top_p_keep_what_a_sort_keeps_with_ties_and_masked_tokens():
+    """Thresholds found by bisection over the float bits, not by sorting: the same kept set on
+    rows full of ties (rounded logits, a block of zeros) and of -inf (masked) tokens."""
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        rows, vocab = 4, int(rng.integers(3, 200))
+        logits = (rng.normal(size=(rows, vocab)) * rng.uniform(0.5, 6)).astype(np.float32)
+        if trial % 2:
+            logits = np.round(logits)
+        logits[:, rng.integers(0, vocab, vocab // 4)] = -np.inf
+        logits[0, : vocab // 2] = 0.0
+        logits[:, 0] = 1.0  # one finite token at least
+        top_k = [int(k) for k in rng.integers(0, vocab + 2, rows)]
+        top_p = [float(p) for p in rng.choice([0.05, 0.5, 0.9, 1.0], rows)]
+        settings = dict(temperature=1.0, top_k=top_k, top_p=top_p)
+        out = np.asarray(processed_logits(jnp.asarray(logits), SamplingParams.create(rows, **settings),
+                                          spec_for(**settings)))
+        for row in range(rows):
+            expected = _kept_by_sorting(logits[row].astype(np.float64), top_k[row], top_p[row])
+            np.testing.assert_array_equal(np.isfinite(out[row]), expected, err_msg=f"trial {trial} row {row}")
+
+
 def test_greedy_is_argmax_and_needs_no_key():
     logits = jnp.array([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
     params = SamplingParams.create(2)

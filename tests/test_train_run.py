@@ -14,6 +14,7 @@ import pytest
 
 import jaxspec
 from jaxspec import cli, train
+from jaxspec.models import layers
 from train_fixtures import ANSWER, distilled_toy
 
 EAGLE3_RUN = train.TrainConfig(steps=60, batch_size=8, learning_rate=1e-2, warmup_steps=5, draft_vocab_size=96,
@@ -121,6 +122,19 @@ def test_train_head_reuses_distilled_data_and_a_shared_feature_cache(toy, eagle3
 # ------------------------------------------------------------------------------------------
 # MTP: the same loop with the MTP forward
 # ------------------------------------------------------------------------------------------
+
+def test_an_mtp_block_starts_as_the_targets_last_layer(toy):
+    target = toy[0]
+    head_cfg = train.mtp_config_for(target.config)
+    vocab_size = target.config.vocab_size
+    identity = train.DraftVocab(target_ids=np.arange(vocab_size), d2t=np.zeros(vocab_size, np.int64),
+                                t2d=np.ones(vocab_size, bool))
+    copied = train.init_head(train.Method.MTP, head_cfg, target, identity, seed=0, mtp_block_from_last_layer=True)
+    last = layers.unfuse_projections(target.params.layers[-1])
+    jax.tree.map(np.testing.assert_array_equal, copied.block, last)
+    drawn = train.init_head(train.Method.MTP, head_cfg, target, identity, seed=0)
+    assert not np.array_equal(drawn.block.attention.q_proj, last.attention.q_proj)  # random, by default off
+
 
 def test_mtp_head_trains_and_round_trips(toy, tmp_path):
     """The MTP path shares the loop; its drafting in the decode loop is proven in test_mtp.py

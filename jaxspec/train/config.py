@@ -46,6 +46,7 @@ class TrainConfig:
     # fraction of the training answers' tokens (data.draft_vocab_size_for); instead of a size.
     draft_vocab_coverage: float | None = None
     aux_layer_ids: tuple[int, ...] | None = None  # EAGLE-3; None = eagle3_config_for's default
+    mtp_block_from_last_layer: bool = True  # MTP: the block starts as the target's last layer (else random)
     val_fraction: float = 0.05
     eval_every: int = 100
     save_every: int = 200

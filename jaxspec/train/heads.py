@@ -18,7 +18,7 @@ import numpy as np
 from jaxspec.api import Model
 from jaxspec.config import ModelConfig
 from jaxspec.errors import InvalidRequestError, UnsupportedModelError
-from jaxspec.models import eagle3, mtp
+from jaxspec.models import eagle3, layers, mtp, quant
 from jaxspec.train.config import Method
 from jaxspec.train.data import DraftVocab
 
@@ -55,11 +55,15 @@ def mtp_config_for(target_cfg) -> mtp.MtpConfig:
     return mtp.MtpConfig(block=dataclasses.replace(target_cfg, num_layers=1))
 
 
-def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: int, scale: float = 0.02) -> HeadParams:
+def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: int, scale: float = 0.02, *,
+              mtp_block_from_last_layer: bool = False) -> HeadParams:
     """Initial head params: weights N(0, scale^2) (the lm_head included, as EAGLE-3's trainers
     start it: copying the target's rows makes a fresh head confidently wrong), norms one, and an
     EAGLE-3 head's d2t from the draft vocabulary. The embedding (and MTP's lm_head) stay the
-    target's, frozen, passed beside these params.
+    target's, frozen, passed beside these params. `mtp_block_from_last_layer`: an MTP head's
+    block starts as a copy of the target's last layer (as DeepSeek-V3 and MiMo initialise their
+    MTP modules): it already maps a late residual stream to the next token's, where a random
+    block starts from nothing.
 
     Drawn with numpy on the host (shapes from the model module's own init, traced abstractly):
     jax.random here would cost a compile longer than a short training run.
@@ -83,6 +87,10 @@ def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: 
         params = eagle3.params_from(drawn.__getitem__)
     else:
         params = mtp.params_from(head_cfg, drawn.__getitem__)
+        if mtp_block_from_last_layer:
+            last = layers.unfuse_projections(target.params.layers[-1])
+            last = quant.map_linear(last, lambda w: None if w is None else quant.dequantize(w))  # int8 -> float32
+            params = dataclasses.replace(params, block=jax.tree.map(lambda x: np.asarray(x, np.float32), last))
     return jax.tree.map(jnp.asarray, params)
 
 

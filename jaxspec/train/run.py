@@ -175,7 +175,8 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     if cfg.method is Method.MTP:
         frozen["lm_head"] = lm_head_of(target)
 
-    initial = init_head(cfg.method, head_cfg, target, vocab, cfg.seed)
+    initial = init_head(cfg.method, head_cfg, target, vocab, cfg.seed,
+                        mtp_block_from_last_layer=cfg.mtp_block_from_last_layer)
     params = trainable_params(initial)
     opt_state = jax.jit(optimizer(cfg).init)(params)
     record = _run_record(cfg, data, target)
