@@ -21,13 +21,13 @@ import argparse
 import pathlib
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import results_md  # noqa: E402
+from forward_cost import median_seconds  # noqa: E402  (bench/ is on sys.path)
 
 import jaxspec  # noqa: E402
 from jaxspec import sampling  # noqa: E402
@@ -57,25 +57,16 @@ def _sorted_filters(logits: jax.Array, params: sampling.SamplingParams, spec: sa
     return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
 
 
-def _median_ms(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
-
-
 def filter_rows(batches: list[int], repeats: int) -> list[str]:
     rows = []
     for batch in batches:
         logits = 3.0 * jax.random.normal(jax.random.PRNGKey(batch), (batch, VOCAB))
         for name, setting in SETTINGS.items():
             params, spec = sampling.SamplingParams.create(batch, **setting), sampling.spec_for(**setting)
-            ours = _median_ms(jax.jit(lambda x, p, s=spec: sampling.processed_logits(x, p, s)), logits, params,
-                              repeats=repeats)
-            peer = _median_ms(jax.jit(lambda x, p, s=spec: _sorted_filters(x, p, s)), logits, params, repeats=repeats)
+            ours = 1000 * median_seconds(jax.jit(lambda x, p, s=spec: sampling.processed_logits(x, p, s)), logits,
+                                         params, repeats=repeats)
+            peer = 1000 * median_seconds(jax.jit(lambda x, p, s=spec: _sorted_filters(x, p, s)), logits, params,
+                                         repeats=repeats)
             rows.append(f"| {batch} | {name} | {peer:.1f} | {ours:.1f} | {peer / ours:.1f}x |")
     return rows
 
