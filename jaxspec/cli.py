@@ -13,7 +13,6 @@ import json
 import pathlib
 import re
 import sys
-from typing import Any
 
 from jaxspec import api, checkpoints, compilation, distributed, sharding
 from jaxspec.errors import InvalidRequestError, JaxspecError
@@ -119,16 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--weight-format", choices=[f.value for f in WeightFormat if f is not WeightFormat.AUTO],
                          default=WeightFormat.F32.value, help="how the directory stores the weights (default f32)")
 
-    corpus = commands.add_parser(
-        "corpus", help="build (or resume) a draft head's training corpus: prompts, the model's answers, second turns")
-    corpus.add_argument("--model", default=api.DEFAULT_MODEL, help="the target: a name, a .gguf file or a directory")
-    corpus.add_argument("--out", required=True, help="the corpus directory (rerun the same command to resume)")
-    corpus.add_argument("--weight-format", **WEIGHT_FORMAT_FLAG)
-    corpus.add_argument("--status", action="store_true", help="print which stages are done and exit")
-    # One flag per CorpusPlan field (--magpie, --math, --prompts-file, --seq-len, ...), defaulting to the plan's.
-    for name, (default, kind) in _corpus_plan_fields().items():
-        flags = ["--" + name.replace("_", "-")] + (["--prompts"] if name == "prompts_file" else [])
-        corpus.add_argument(*flags, dest=name, type=kind, default=None, help=f"CorpusPlan.{name} (default {default})")
+    # Its flags follow CorpusPlan, whose module (and jaxspec.train's optax) loads only when it runs:
+    # `_corpus_parser` reads what this parser leaves unparsed, --help included.
+    commands.add_parser("corpus", add_help=False, help=CORPUS_HELP)
 
     head = commands.add_parser("train-head", help="train an EAGLE-3 or MTP draft head on the model's own answers")
     head.add_argument("--method", choices=("eagle3", "mtp"), default="eagle3")
@@ -296,22 +288,38 @@ def _score(args) -> None:
     print(f"perplexity {perplexity:.4f} over {len(scored)} tokens")
 
 
-def _corpus_plan_fields() -> dict[str, tuple[Any, type]]:
-    """CorpusPlan's fields: name -> (default, the argparse type of its values)."""
+CORPUS_HELP = "build (or resume) a draft head's training corpus: prompts, the model's answers, second turns"
+
+
+def _corpus_parser() -> tuple[argparse.ArgumentParser, tuple[str, ...]]:
+    """The corpus command's parser, and the names of its CorpusPlan flags (one per field: --magpie,
+    --math, --prompts-file, --seq-len, ...; unset, each takes the plan's default)."""
     from jaxspec.train.corpus import CorpusPlan
 
+    corpus = _OneLineParser(prog="python -m jaxspec.cli corpus", description=CORPUS_HELP)
+    corpus.add_argument("--model", default=api.DEFAULT_MODEL, help="the target: a name, a .gguf file or a directory")
+    corpus.add_argument("--out", required=True, help="the corpus directory (rerun the same command to resume)")
+    corpus.add_argument("--weight-format", **WEIGHT_FORMAT_FLAG)
+    corpus.add_argument("--status", action="store_true", help="print which stages are done and exit")
     kinds = {"int": int, "float": float, "str": str}
-    return {field.name: (field.default, next(kind for word, kind in kinds.items() if word in str(field.type)))
-            for field in dataclasses.fields(CorpusPlan)}
+    fields = dataclasses.fields(CorpusPlan)
+    for field in fields:
+        kind = next(kind for word, kind in kinds.items() if word in str(field.type))
+        flags = ["--" + field.name.replace("_", "-")] + (["--prompts"] if field.name == "prompts_file" else [])
+        corpus.add_argument(*flags, dest=field.name, type=kind, default=None,
+                            help=f"CorpusPlan.{field.name} (default {field.default})")
+    return corpus, tuple(field.name for field in fields)
 
 
-def _corpus(args) -> None:
+def _corpus(argv: list[str]) -> None:
     from jaxspec.train import corpus
 
+    parser, plan_fields = _corpus_parser()
+    args = parser.parse_args(argv)
     if args.status:
         print(json.dumps(corpus.corpus_status(args.out), indent=2))
         return
-    given = {name: getattr(args, name) for name in _corpus_plan_fields() if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in plan_fields if getattr(args, name) is not None}
     plan = corpus.CorpusPlan(**given)
     model = api.load(args.model, weight_format=args.weight_format, progress=True)
     manifest = corpus.build_corpus(model, args.out, plan, progress=True)
@@ -348,7 +356,10 @@ def _train_head(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unparsed = parser.parse_known_args(argv)
+    if unparsed and args.command != "corpus":  # the corpus command parses its own (`_corpus_parser`)
+        parser.error(f"unrecognized arguments: {' '.join(unparsed)}")
     try:
         if args.command == "generate":
             _generate(args)
@@ -361,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                                       weight_format=args.weight_format)
             print(f"converted {args.source} -> {out}")
         elif args.command == "corpus":
-            _corpus(args)
+            _corpus(unparsed)
         elif args.command == "train-head":
             _train_head(args)
     except JaxspecError as error:
