@@ -529,8 +529,10 @@ def _user_turn_end_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
 
 
 def _clean_user_turn(tokenizer: Tokenizer, tokens: Sequence[int], finish_reason: str, end_ids: Sequence[int],
-                     control: tuple[set[int], tuple[str, ...]]) -> tuple[str | None, str | None]:
-    """(text, None) for a clean sampled user message, else (None, why it was dropped)."""
+                     control: tuple[set[int], tuple[str, ...]], spec_bench: _ReferenceIndex | None,
+                     spec_bench_threshold: float) -> tuple[str | None, str | None]:
+    """(text, None) for a clean sampled user message, else (None, why it was dropped); near a
+    `spec_bench` reference counts as unclean."""
     if finish_reason != "stop" or not tokens or tokens[-1] not in end_ids:
         return None, "unfinished"  # hit max_new_tokens without ending its turn
     body = list(tokens[:-1])
@@ -542,6 +544,8 @@ def _clean_user_turn(tokenizer: Tokenizer, tokens: Sequence[int], finish_reason:
         return None, "empty"
     if len(text.split()) < 3:
         return None, "too_short"
+    if spec_bench is not None and spec_bench.score(text) >= spec_bench_threshold:
+        return None, "near_spec_bench"
     return text, None
 
 
@@ -570,7 +574,7 @@ def synthesize_user_prompts(target: Model, count: int, *, seed: int, batch_size:
     if max_batches is None:
         max_batches = 4 * math.ceil(count / batch_size) + 4
     duplicates = _NearDuplicateIndex(dedup_threshold)
-    held_out = _ReferenceIndex(spec_bench) if spec_bench else None
+    spec_bench_index = _ReferenceIndex(spec_bench) if spec_bench else None
     kept: list[str] = []
     drops: Counter[str] = Counter()
     batches = 0
@@ -584,9 +588,8 @@ def synthesize_user_prompts(target: Model, count: int, *, seed: int, batch_size:
         for tokens, finish_reason in rows:
             if len(kept) == count:
                 break
-            text, reason = _clean_user_turn(tokenizer, tokens, finish_reason, end_ids, control)
-            if reason is None and held_out is not None and held_out.score(text) >= spec_bench_threshold:
-                reason = "near_spec_bench"
+            text, reason = _clean_user_turn(tokenizer, tokens, finish_reason, end_ids, control, spec_bench_index,
+                                            spec_bench_threshold)
             if reason is None and duplicates.find(text) is not None:
                 reason = "duplicate"
             if reason is not None:
@@ -615,7 +618,7 @@ def synthesize_follow_ups(target: Model, conversations: Sequence[Sequence[Mappin
     prefixes = [chat_tokens(tokenizer, conversation, ending="user")[0] for conversation in conversations]
     end_ids = _user_turn_end_ids(tokenizer)
     control = _control_tokens(tokenizer)
-    held_out = _ReferenceIndex(spec_bench) if spec_bench else None
+    spec_bench_index = _ReferenceIndex(spec_bench) if spec_bench else None
     texts: list[str | None] = [None] * len(prefixes)
     drops: Counter[str] = Counter()
     batches = 0
@@ -630,11 +633,10 @@ def synthesize_follow_ups(target: Model, conversations: Sequence[Sequence[Mappin
         batches += math.ceil(len(pending) / batch_size)
         still = []
         for i, (tokens, finish_reason) in zip(pending, rows):
-            text, reason = _clean_user_turn(tokenizer, tokens, finish_reason, end_ids, control)
+            text, reason = _clean_user_turn(tokenizer, tokens, finish_reason, end_ids, control, spec_bench_index,
+                                            spec_bench_threshold)
             if finish_reason in ("prompt_too_long", "prompt_fills_window"):
                 reason = finish_reason
-            if reason is None and held_out is not None and held_out.score(text) >= spec_bench_threshold:
-                reason = "near_spec_bench"
             if reason is None:
                 texts[i] = text
             else:
@@ -879,18 +881,23 @@ def held_out_split(records: Sequence[Mapping[str, Any]], fraction: float,
 class PackedCorpus:
     """Packed conversations: `data` is a `Dataset` whose `assistant` mask marks the tokens the
     target wrote, in every turn (its prompt_lengths: each row's first assistant token), plus
-    what the split and the model card need. dataset.npz holds Dataset's arrays under its own
-    names, so `Dataset.load` (and the trainer) read it as is, and these beside them:
+    what the model card needs. Its `held_out` flags (the rows whose prompt is in
+    `held_out_split`'s held-out part) are the validation rows training takes. dataset.npz holds
+    Dataset's arrays under its own names, so `Dataset.load` (and the trainer) read it as is, and
+    these beside them:
 
-        held_out   bool[N]   the row's prompt is in `held_out_split`'s held-out part
         turns      int32[N]  assistant turns in the row (1 or 2)
         ids        str[N]    the conversation's prompt id (prompts.jsonl)
     """
 
     data: Dataset
-    held_out: np.ndarray
     turns: np.ndarray
     ids: np.ndarray
+
+    @property
+    def held_out(self) -> np.ndarray:
+        """bool[N]: the row's prompt is held out of training (`data.held_out`)."""
+        return self.data.held_out
 
     def loss_mask(self) -> np.ndarray:
         """bool[N, T]: position t's next-token prediction is an assistant token (`data.loss_mask`)."""
@@ -898,8 +905,7 @@ class PackedCorpus:
 
     def save(self, path: pathlib.Path) -> None:
         """Written whole or not at all (a temporary file, then a rename)."""
-        arrays = {"tokens": self.data.tokens, "lengths": self.data.lengths, "prompt_lengths": self.data.prompt_lengths,
-                  "assistant": self.data.assistant, "held_out": self.held_out, "turns": self.turns, "ids": self.ids}
+        arrays = {**self.data.arrays(), "turns": self.turns, "ids": self.ids}
         _write_atomic(pathlib.Path(path), lambda handle: np.savez(handle, **arrays), binary=True)
 
     @classmethod
@@ -907,12 +913,11 @@ class PackedCorpus:
         data = Dataset.load(path)
         try:
             with np.load(path) as arrays:
-                packed = cls(data, arrays["held_out"].astype(bool), arrays["turns"].astype(np.int32),
-                             arrays["ids"].astype(str))
+                packed = cls(data, arrays["turns"].astype(np.int32), arrays["ids"].astype(str))
         except (OSError, KeyError, ValueError) as error:
-            raise CheckpointError(f"{path} is not a packed corpus (no held_out/turns/ids): {error}") from None
-        if data.assistant is None:
-            raise CheckpointError(f"{path} is not a packed corpus: it has no assistant mask")
+            raise CheckpointError(f"{path} is not a packed corpus (no turns/ids): {error}") from None
+        if data.assistant is None or data.held_out is None:
+            raise CheckpointError(f"{path} is not a packed corpus: it has no assistant mask or no held_out flags")
         return packed
 
 
@@ -962,7 +967,6 @@ def pack_conversations(records: Sequence[Mapping[str, Any]], seq_len: int, *,
     held_flags = np.asarray([record["id"] in held for _, _, record in rows], bool)
     packed = PackedCorpus(
         data=Dataset(tokens, lengths, prompt_lengths, assistant=masks, held_out=held_flags),
-        held_out=held_flags,
         turns=np.asarray([len(record["assistant_spans"]) for _, _, record in rows], np.int32), ids=ids)
     return packed, {"dropped": dict(sorted(drops.items())), "cut_to_window": cut}
 
@@ -1426,7 +1430,7 @@ def _manifest(out_dir: pathlib.Path, plan: CorpusPlan, tokenizer: Tokenizer, pro
     follow_up_drops: Counter[str] = Counter()
     for path in sorted((out_dir / TURN2_DIR).glob("drops_*.json")):
         follow_up_drops.update(_read_json(path))
-    data = packed.data
+    data, selection = packed.data, _read_json(out_dir / SELECTION_FILE)
     return {
         "format": FORMAT_VERSION,
         "plan": dataclasses.asdict(plan),
@@ -1434,8 +1438,7 @@ def _manifest(out_dir: pathlib.Path, plan: CorpusPlan, tokenizer: Tokenizer, pro
         "prompts": len(prompts),
         "finish_reasons": {"turn1": dict(sorted(Counter(r["finish_reason"] for r in answers).items())),
                            "turn2": dict(sorted(Counter(r["finish_reason"] for r in second).items()))},
-        "follow_ups": {"eligible": _read_json(out_dir / SELECTION_FILE)["eligible"],
-                       "selected": len(_read_json(out_dir / SELECTION_FILE)["ids"]), "written": len(second),
+        "follow_ups": {"eligible": selection["eligible"], "selected": len(selection["ids"]), "written": len(second),
                        "drops": dict(sorted(follow_up_drops.items())),
                        "prefix_unstable": sum(not r.get("prefix_stable", True) for r in second)},
         "rows": {"total": len(data), "two_turn": int((packed.turns == 2).sum()), "held_out": int(packed.held_out.sum()),
@@ -1443,7 +1446,7 @@ def _manifest(out_dir: pathlib.Path, plan: CorpusPlan, tokenizer: Tokenizer, pro
         "tokens": {"prompt_tokens_turn1": sum(len(r["prompt_ids"]) for r in answers),
                    "answer_tokens_generated": sum(len(r["answer_ids"]) for r in [*answers, *second]),
                    "dataset_tokens": int(data.lengths.sum()),
-                   "assistant_tokens_in_window": int(packed.data.assistant.sum()), "seq_len": plan.seq_len},
+                   "assistant_tokens_in_window": int(data.assistant.sum()), "seq_len": plan.seq_len},
         "seconds": _read_json(out_dir / TIMINGS_FILE) if (out_dir / TIMINGS_FILE).is_file() else {},
     }
 

@@ -190,10 +190,14 @@ class Dataset:
             digest.update(str(array.shape).encode())
         return digest.hexdigest()[:16]
 
-    def save(self, path: pathlib.Path) -> None:
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What a data file holds, by name: the optional arrays where the data has them."""
         optional = {name: array for name, array in (("assistant", self.assistant), ("held_out", self.held_out))
                     if array is not None}
-        np.savez(path, tokens=self.tokens, lengths=self.lengths, prompt_lengths=self.prompt_lengths, **optional)
+        return {"tokens": self.tokens, "lengths": self.lengths, "prompt_lengths": self.prompt_lengths, **optional}
+
+    def save(self, path: pathlib.Path) -> None:
+        np.savez(path, **self.arrays())
 
     @classmethod
     def load(cls, path: pathlib.Path) -> "Dataset":
