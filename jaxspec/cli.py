@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--draft-vocab-coverage", type=float, default=None,
                       help="EAGLE-3: the smallest draft vocabulary (a multiple of 256) covering this fraction of "
                            "the answers' tokens, e.g. 0.99; instead of --draft-vocab-size")
+    head.add_argument("--bucket-width", type=int, default=256,
+                      help="batch rows of like length, cut to a multiple of this many positions (0: the whole "
+                           "--seq-len window every batch)")
     head.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate")
     head.add_argument("--warmup-steps", type=int, default=50)
     head.add_argument("--ttt-steps", type=int, default=3, help="unrolled head steps per position (training-time test)")
@@ -338,7 +341,7 @@ def _train_head(args) -> None:
         warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, soft_labels=args.soft_labels,
         cache_features=not (args.no_feature_cache or args.soft_labels),
         draft_vocab_size=args.draft_vocab_size, draft_vocab_coverage=args.draft_vocab_coverage,
-        mtp_block_from_last_layer=not args.mtp_random_block,
+        mtp_block_from_last_layer=not args.mtp_random_block, bucket_width=args.bucket_width,
         val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed)
     result, stats = train.train_head(args.model, args.out, config, prompts=prompts, data=data, seq_len=args.seq_len,

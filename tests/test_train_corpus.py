@@ -444,6 +444,69 @@ def test_a_changed_plan_is_refused_naming_the_field(built, chat_model, user_file
         corpus.CorpusPlan(answer_batch_size=0)
 
 
+@pytest.fixture(scope="module")
+def built_in_rounds(chat_model, user_file, tmp_path_factory):
+    """The tiny plan in two rounds, uninterrupted: (its directory, the manifest, generate calls)."""
+    out_dir = tmp_path_factory.mktemp("corpus") / "rounds"
+    with counted_generate() as calls:
+        manifest = corpus.build_corpus(chat_model, out_dir, dataclasses.replace(tiny_plan(user_file), rounds=2))
+    return out_dir, manifest, len(calls)
+
+
+def round_prompts(out_dir, index):
+    return [json.loads(line) for line in (out_dir / f"round_{index:03d}" / "prompts.jsonl").read_text().splitlines()]
+
+
+def test_rounds_share_the_plan_without_repeating_a_prompt(built_in_rounds, spec_turns):
+    out_dir, manifest, _ = built_in_rounds
+    assert manifest["rounds_done"] == 2 and corpus.corpus_status(out_dir)["complete"]
+    first, second = round_prompts(out_dir, 0), round_prompts(out_dir, 1)
+    for records, index in ((first, 0), (second, 1)):
+        assert all(r["id"].startswith(f"r{index:03d}-") for r in records)
+    # The finite pools are split in disjoint slices: 8 topic prompts, 4 + 4.
+    topics = [[r["text"] for r in records if r["source"] == "self_instruct_topic"] for records in (first, second)]
+    assert len(topics[0]) == len(topics[1]) == 4
+    assert sorted(topics[0] + topics[1]) == sorted(self_instruct.topic_prompts(8, 0))
+    # No prompt of round 1 repeats one of round 0, nor is near one (the rounds' own checks), and
+    # nothing is near Spec-Bench.
+    texts = [r["text"] for r in first + second]
+    assert len({corpus.normalize(t) for t in texts}) == len(texts)
+    assert not any(corpus.hold_out_score(t, s) >= 0.6 for t in texts for s in spec_turns)
+    # The top dataset is the rounds' rows in order, and its split is the split of their union.
+    parts = [corpus.PackedCorpus.load(out_dir / f"round_{i:03d}" / "dataset.npz") for i in (0, 1)]
+    top = corpus.PackedCorpus.load(out_dir / "dataset.npz")
+    assert top.ids.tolist() == parts[0].ids.tolist() + parts[1].ids.tolist()
+    assert top.data.fingerprint() == corpus.PackedCorpus.concatenate(parts).data.fingerprint()
+    _, held = corpus.held_out_split(first + second, 0.2, 0)
+    assert {i for i, h in zip(top.ids.tolist(), top.held_out) if h} == {r["id"] for r in held} & set(top.ids.tolist())
+    assert manifest["rows"]["total"] == len(top.data) == sum(len(p.data) for p in parts)
+    assert manifest["prompts"] == len(first) + len(second)
+    assert manifest["tokens"]["assistant_tokens_in_window"] == int(top.data.assistant.sum())
+
+
+def test_a_corpus_of_rounds_is_usable_between_rounds_and_resumes_to_the_same(built_in_rounds, chat_model, user_file,
+                                                                           tmp_path):
+    out_dir, _, total_calls = built_in_rounds
+    plan = dataclasses.replace(tiny_plan(user_file), rounds=2)
+    killed = tmp_path / "killed"
+    with counted_generate(fail_at=total_calls - 1), pytest.raises(KeyboardInterrupt):
+        corpus.build_corpus(chat_model, killed, plan)
+    status = corpus.corpus_status(killed)
+    assert status["rounds"] == {"done": 1, "total": 2} and status["next"].startswith("round 1: ")
+    between = json.loads((killed / "manifest.json").read_text())
+    assert between["rounds_done"] == 1
+    round_zero = corpus.PackedCorpus.load(out_dir / "round_000" / "dataset.npz")
+    assert corpus.PackedCorpus.load(killed / "dataset.npz").data.fingerprint() == round_zero.data.fingerprint()
+    with counted_generate() as calls:
+        corpus.build_corpus(chat_model, killed, plan)
+    assert 0 < len(calls) < total_calls
+    assert corpus_files(killed) == corpus_files(out_dir)
+    with pytest.raises(jaxspec.InvalidRequestError, match=r"rounds \(2 there, 3 now\)"):
+        corpus.build_corpus(chat_model, killed, dataclasses.replace(plan, rounds=3))
+    with pytest.raises(jaxspec.InvalidRequestError, match="rounds must be an integer >= 1"):
+        corpus.CorpusPlan(rounds=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # The real default model
 # ----------------------------------------------------------------------------------------------

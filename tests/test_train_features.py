@@ -3,6 +3,7 @@ FeatureCache, on the successor toy whose every layer passes the token's embeddin
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -65,3 +66,67 @@ def test_feature_cache_holds_the_targets_half_and_is_built_once(toy, tmp_path):
     assert other.layers == (TOY.num_layers,) and other.features[0].shape[1] == 1  # rebuilt, not misread
     with pytest.raises(jaxspec.InvalidRequestError, match="multiple of batch_size"):
         train.cache_features(target, data, layers, directory, batch_size=8, chunk_rows=12)
+
+
+def test_batches_cut_to_their_bucket_width_score_as_the_whole_window(toy, tmp_path):
+    """Rows of like length batched at their bucket's width (BatchOrder, length_batches) lose
+    nothing: padding past a row's end never reaches its positions, so the validation loss and
+    top-1 over bucketed batches equal those over full-window batches, from a fresh target pass
+    and from the length-ordered feature cache alike."""
+    from jaxspec.train.config import StepSpec
+    from jaxspec.train.run import _head_setup
+
+    target, _, _, data = toy
+    rng = np.random.default_rng(1)
+    lengths = np.minimum(data.lengths, data.prompt_lengths + rng.integers(2, 20, len(data))).astype(np.int32)
+    tokens = np.where(np.arange(data.seq_len)[None] < lengths[:, None], data.tokens, 0)
+    short = train.Dataset(tokens, lengths, data.prompt_lengths)
+    widths = train.bucket_widths(short.lengths, 8, short.seq_len)
+    assert set(widths.tolist()) == {16, SEQ_LEN} and (widths >= short.lengths).all() and widths.max() == SEQ_LEN
+
+    rows = np.arange(len(short))
+    bucketed, whole = train.length_batches(rows, widths, 8), train.length_batches(rows, np.full(len(short), SEQ_LEN), 8)
+    assert len(bucketed) > len(whole) and all((short.lengths[r[r >= 0]] <= w).all() for r, w in bucketed)
+    results = []
+    for cache in (False, True):
+        cfg = train.TrainConfig(draft_vocab_size=96, bucket_width=8, cache_features=cache)
+        head_cfg, hidden, vocab = _head_setup(target, short, cfg)
+        spec = StepSpec(train=cfg, target_cfg=TOY, head_cfg=head_cfg, hidden_layers=hidden)
+        frozen = {"embed": target.params.embed, "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
+                  "target_to_draft": jnp.asarray(vocab.target_to_draft)}
+        params = train.init_head(cfg.method, head_cfg, target, vocab, 0)
+        targets_for = train.target_source(target, short, frozen, spec, tmp_path / "features", progress=False)
+        for batches in (bucketed, whole):
+            results.append(train.evaluate(params, frozen, batches, targets_for, spec))
+    for result in results[1:]:
+        np.testing.assert_allclose(result["loss"], results[0]["loss"], rtol=2e-3)  # the cache is float16
+        np.testing.assert_allclose(result["top1_by_step"], results[0]["top1_by_step"], atol=0.02)
+    np.testing.assert_allclose(results[1]["loss"], results[0]["loss"], rtol=1e-5)  # fresh passes: only rounding
+    np.testing.assert_allclose(results[3]["loss"], results[2]["loss"], rtol=1e-5)  # the same cache, cut or not
+    # The cache stores length-ordered chunks, each only as wide as its widest row.
+    cache = train.cache_features(target, short, hidden, tmp_path / "narrow", batch_size=8, chunk_rows=8,
+                                 bucket_width=8)
+    by_length = widths[np.argsort(lengths, kind="stable")]
+    assert [chunk.shape[1] for chunk in cache.labels] == [int(by_length[c * 8: c * 8 + 8].max()) for c in range(5)]
+    assert cache.labels[0].shape[1] == 16 < SEQ_LEN
+
+
+def test_batch_order_covers_each_row_once_an_epoch_at_its_width():
+    lengths = np.random.default_rng(2).integers(1, 100, 37)
+    widths = train.bucket_widths(lengths, 16, 96)
+    rows = np.arange(0, 74, 2)  # the training rows' data indices
+    order = train.BatchOrder(rows, widths, 4, seed=3)
+    steps = order.steps_per_epoch
+    for epoch in range(2):
+        batches = [order.step(epoch * steps + i) for i in range(steps)]
+        taken = np.concatenate([r for r, _ in batches])
+        assert sorted(taken[taken >= 0].tolist()) == rows.tolist()
+        width_of = dict(zip(rows.tolist(), widths.tolist()))
+        assert all(all(width_of[r] == w for r in batch[batch >= 0].tolist()) for batch, w in batches)
+        assert all(len(batch) == 4 for batch, _ in batches)
+    again = train.BatchOrder(rows, widths, 4, seed=3)
+    assert [again.step(s)[0].tolist() for s in range(5)] == [order.step(s)[0].tolist() for s in range(5)]
+    other = train.BatchOrder(rows, widths, 4, seed=4)
+    assert [other.step(s)[0].tolist() for s in range(5)] != [order.step(s)[0].tolist() for s in range(5)]
+    assert order.step(0)[0].tolist() != order.step(steps)[0].tolist() or order.step(1)[0].tolist() != order.step(
+        steps + 1)[0].tolist()  # epochs are shuffled anew

@@ -32,13 +32,16 @@ The modules, one concept each (every public name is re-exported here):
 
 from jaxspec.train.config import Method, StepSpec, TrainConfig, optimizer
 from jaxspec.train.data import (
+    BatchOrder,
     Dataset,
     DraftVocab,
     Example,
     answer_token_coverage,
     batch_indices,
+    bucket_widths,
     draft_vocab,
     draft_vocab_size_for,
+    length_batches,
     loss_mask,
     pack,
     read_prompts_jsonl,
@@ -83,8 +86,8 @@ __all__ = [
     "CorpusPlan", "PackedCorpus", "Synthesis", "build_corpus", "corpus_status", "deduplicate", "drop_near",
     "held_out_split", "math_prompts", "spec_bench_questions", "synthesize_follow_ups", "synthesize_user_prompts",
     "CHECKPOINT_DIR", "DATA_FILE", "FEATURE_DIR", "FEATURE_META", "MTP_HEAD_DIR", "RUN_FILE",
-    "Dataset", "DraftVocab", "Example", "FeatureCache", "Frozen", "HeadParams", "Method", "StepSpec",
-    "TrainConfig", "TrainResult", "batch_indices", "cache_features", "answer_token_coverage", "draft_vocab", "draft_vocab_size_for", "eagle3_config_for",
+    "BatchOrder", "Dataset", "DraftVocab", "Example", "FeatureCache", "Frozen", "HeadParams", "Method", "StepSpec",
+    "TrainConfig", "TrainResult", "batch_indices", "bucket_widths", "cache_features", "answer_token_coverage", "draft_vocab", "draft_vocab_size_for", "eagle3_config_for", "length_batches",
     "evaluate", "init_head", "loss_mask", "measure_tau", "mtp_config_for", "optimizer", "pack", "read_prompts_jsonl",
     "response_mask", "saved_run", "self_distill", "self_instruct_examples", "split", "split_rows", "summarise",
     "target_batch", "target_source", "tokenize_prompts", "train", "train_head", "train_step",

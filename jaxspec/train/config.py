@@ -47,6 +47,10 @@ class TrainConfig:
     draft_vocab_coverage: float | None = None
     aux_layer_ids: tuple[int, ...] | None = None  # EAGLE-3; None = eagle3_config_for's default
     mtp_block_from_last_layer: bool = True  # MTP: the block starts as the target's last layer (else random)
+    # Batches of rows of like length, cut to their length rounded up to a multiple of this
+    # (data.BatchOrder): a short conversation in a long window costs its own length, not the
+    # window's. 0: every batch the full window. Each width compiles its own step.
+    bucket_width: int = 256
     val_fraction: float = 0.05
     eval_every: int = 100
     save_every: int = 200
@@ -65,6 +69,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(f"{name} must be an integer >= 1; got {value!r}")
+        if not isinstance(self.bucket_width, int) or isinstance(self.bucket_width, bool) or self.bucket_width < 0:
+            raise InvalidRequestError(f"bucket_width must be an integer >= 0; got {self.bucket_width!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise InvalidRequestError(f"warmup_steps must be an integer >= 0; got {self.warmup_steps!r}")
         checks = [

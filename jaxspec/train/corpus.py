@@ -33,6 +33,11 @@ On disk (`build_corpus(target, out_dir, plan)`; rerun it to resume, `corpus_stat
     manifest.json             counts per source, drops by reason, tokens, seconds per stage
     timings.json              seconds spent per stage, summed over resumed runs
 
+A plan of several `rounds` keeps plan.json at the top and lays each round out as above in
+round_000/, round_001/, ... (every file but plan.json); the top's dataset.npz and manifest.json
+cover the rounds done so far ("rounds_done"), rewritten as each round finishes, so a corpus too
+large for one sitting is usable, and can be committed and resumed, round by round.
+
 Every file is written whole (a temporary file, then a rename), so a killed run leaves only
 finished files behind and the next run starts at the first missing one; a finished file is
 never rewritten, and greedy answers and seeded samples make the resumed corpus identical to an
@@ -831,6 +836,17 @@ def self_instruct_template(text: str, source: str) -> str:
     return key
 
 
+@functools.cache
+def _template_groups(source: str) -> frozenset[str]:
+    """Every `split_group` key a templated source's prompts can have."""
+    if source == "self_instruct_topic":
+        keys = {*_topic_templates().values(), "word_problem"}
+    else:
+        keys = {f"passage/{kind}:{number}" for kind, templates in self_instruct.PASSAGE_TEMPLATES.items()
+                for number in range(len(templates))}
+    return frozenset(f"{source}/{key}" for key in keys)
+
+
 def split_group(record: Mapping[str, Any]) -> str:
     """The unit `held_out_split` keeps whole: a self_instruct prompt's source and template, else
     the source and the hash of the prompt's normalized text (each prompt its own group)."""
@@ -850,21 +866,23 @@ def held_out_split(records: Sequence[Mapping[str, Any]], fraction: float,
     ({"source", "text", optional "template"}, as prompts.jsonl holds them).
 
     Disjoint by template: a self_instruct prompt is TEMPLATE.format(topic=...) (or
-    passage=...), and whole templates are held out, round(fraction x templates) of each
-    self_instruct source (at least one, never all, when there are two or more), so no held-out
+    passage=...), and whole templates are held out, round(fraction x templates) of every
+    template self_instruct has for that source (at least one, never all; whether or not
+    `records` use them, so the choice is the same for any part of a corpus), so no held-out
     prompt shares its instruction wording with a training one. Topics, and the articles passage
     prompts wrap, do recur across templates: the held-out set measures unseen phrasings of
     known subjects, not unseen subjects. Disjoint by source: every other prompt (magpie, math,
     user) is held out on its own, when the hash of (seed, source, normalized text) falls below
     `fraction`, so a roughly `fraction` slice of each source is held out and texts that
     normalize alike go the same way. The choice depends on the seed and each group's key,
-    not on the order or the number of records."""
+    not on the order or the number of records: each record's fate is its own, so the rounds
+    of a corpus, split apart, agree with the split of their union."""
     if not isinstance(fraction, int | float) or isinstance(fraction, bool) or not 0 <= fraction < 1:
         raise InvalidRequestError(f"fraction must be a number in [0, 1); got {fraction!r}")
     groups = [split_group(record) for record in records]
     held: set[str] = set()
     for source in TEMPLATED_SOURCES:
-        keys = sorted({g for g, r in zip(groups, records) if r["source"] == source}, key=lambda k: _unit_hash(seed, k))
+        keys = sorted(_template_groups(source), key=lambda k: _unit_hash(seed, k))
         if fraction > 0 and len(keys) >= 2:
             held.update(keys[: min(len(keys) - 1, max(1, round(fraction * len(keys))))])
     held.update(g for g, r in zip(groups, records)
@@ -907,6 +925,19 @@ class PackedCorpus:
         """Written whole or not at all (a temporary file, then a rename)."""
         arrays = {**self.data.arrays(), "turns": self.turns, "ids": self.ids}
         _write_atomic(pathlib.Path(path), lambda handle: np.savez(handle, **arrays), binary=True)
+
+    @classmethod
+    def concatenate(cls, parts: Sequence[PackedCorpus]) -> PackedCorpus:
+        """The rows of every part in order (parts of one seq_len: a corpus's rounds)."""
+        if len({part.data.seq_len for part in parts}) != 1:
+            raise InvalidRequestError("packed corpora of different seq_len cannot be concatenated")
+
+        def joined(name: str) -> np.ndarray:
+            return np.concatenate([getattr(part.data, name) for part in parts])
+
+        data = Dataset(joined("tokens"), joined("lengths"), joined("prompt_lengths"), assistant=joined("assistant"),
+                       held_out=joined("held_out"))
+        return cls(data, np.concatenate([part.turns for part in parts]), np.concatenate([part.ids for part in parts]))
 
     @classmethod
     def load(cls, path: pathlib.Path) -> PackedCorpus:
@@ -979,7 +1010,8 @@ PLAN_FILE, PROMPTS_FILE, PROMPTS_REPORT_FILE = "plan.json", "prompts.jsonl", "pr
 MAGPIE_FILE, PASSAGES_FILE = "pool/magpie.json", "pool/passages.json"
 ANSWERS_DIR, TURN2_DIR, SELECTION_FILE = "answers", "turn2", "turn2/selection.json"
 DATASET_FILE, MANIFEST_FILE, TIMINGS_FILE = "dataset.npz", "manifest.json", "timings.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: rounds; the target named by its file name and weight format
+ROUND_DIR = "round_{:03d}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -991,6 +1023,13 @@ class CorpusPlan:
     that ended their first answer get a second turn. Answers are greedy, end at EOS or
     `answer_max_new_tokens`, and are never generated past the `seq_len` training window.
     `seed` derives every seed (Magpie batches, self_instruct, math, follow-up choice, the split).
+
+    `rounds` > 1 builds the corpus in that many rounds, each a whole corpus of its own in
+    round_NNN/ holding an even share of every count (`RoundShare`), so that a corpus too big for
+    one sitting grows by finished rounds: after each, dataset.npz at the top covers every round
+    done. The rounds draw disjoint slices of the finite pools (self_instruct topics and articles,
+    the prompts file), their own seeds for the sampled sources (Magpie, math), and drop any prompt
+    near one of an earlier round.
     """
 
     magpie: int = 6144
@@ -1015,8 +1054,10 @@ class CorpusPlan:
     spec_bench_threshold: float = 0.6
     held_out_fraction: float = 0.05
     spec_bench_path: str | None = None
+    rounds: int = 1
 
     def __post_init__(self):
+        _check_count("rounds", self.rounds, 1)
         for name in ("magpie", "self_instruct_topic", "self_instruct_passage", "math", "seed"):
             _check_count(name, getattr(self, name), 0)
         for name in ("magpie_max_new_tokens", "passage_max_new_tokens", "answer_max_new_tokens", "magpie_batch_size",
@@ -1050,6 +1091,38 @@ class CorpusPlan:
         """The plan's count for `source` (None for the user file: all of it)."""
         return {"magpie": self.magpie, "self_instruct_topic": self.self_instruct_topic,
                 "self_instruct_passage": self.self_instruct_passage, "math": self.math}.get(source)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundShare:
+    """Round `index` of a plan's `rounds`: which slice of each source it draws, and its seed.
+
+    A plan of one round is the whole corpus in its own directory, drawn with the plan's seed, as
+    before rounds existed. Round r of R takes [total * r // R, total * (r + 1) // R) of every
+    count: for the finite pools (self_instruct topics, the article prompts behind passages, the
+    prompts file) a slice of the one seeded order the plan draws, so rounds never repeat a
+    prompt; for the sampled sources (Magpie, math) that many prompts drawn with the round's own
+    seed, and `earlier` (the prompts of rounds before it) to drop near duplicates against."""
+
+    plan: CorpusPlan
+    index: int = 0
+    earlier: tuple[tuple[str, str], ...] = ()  # (source, text) of every earlier round's prompts
+
+    @property
+    def seed(self) -> int:
+        return self.plan.seed if self.plan.rounds == 1 else _derive_seed("round", self.plan.seed, self.index)
+
+    def span(self, total: int) -> tuple[int, int]:
+        """[start, stop) of `total` items that this round takes."""
+        rounds = self.plan.rounds
+        return total * self.index // rounds, total * (self.index + 1) // rounds
+
+    def count(self, source: str) -> int:
+        start, stop = self.span(self.plan.requested(source))
+        return stop - start
+
+    def id_prefix(self) -> str:
+        return "" if self.plan.rounds == 1 else f"r{self.index:03d}-"
 
 
 # --- files -------------------------------------------------------------------------------------
@@ -1110,7 +1183,10 @@ def _add_seconds(out_dir: pathlib.Path, stage: str, seconds: float) -> None:
 
 def _target_fingerprint(target: Model) -> dict[str, Any]:
     tokenizer = _chat_tokenizer(target)
-    return {"config": repr(target.config), "source": target.source, "vocab_size": tokenizer.vocab_size,
+    # The source by its file name, not its path: a corpus committed or copied elsewhere resumes there.
+    source = None if target.source is None else pathlib.PurePath(str(target.source)).name
+    return {"config": repr(target.config), "source": source, "weight_format": str(target.weight_format),
+            "vocab_size": tokenizer.vocab_size,
             "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()}
 
 
@@ -1144,14 +1220,15 @@ def _check_plan(out_dir: pathlib.Path, record: dict[str, Any]) -> None:
 
 # --- stage 1: prompts ---------------------------------------------------------------------------
 
-def _magpie_pool(target: Model, out_dir: pathlib.Path, plan: CorpusPlan, spec_turns: list[str],
+def _magpie_pool(target: Model, out_dir: pathlib.Path, share: RoundShare, spec_turns: list[str],
                  progress: bool) -> dict[str, Any]:
     path = out_dir / MAGPIE_FILE
     if path.is_file():
         return _read_json(path)
     start = time.perf_counter()
+    plan = share.plan
     synthesis = synthesize_user_prompts(
-        target, plan.magpie, seed=plan.seed, batch_size=plan.magpie_batch_size,
+        target, share.count("magpie"), seed=share.seed, batch_size=plan.magpie_batch_size,
         max_new_tokens=plan.magpie_max_new_tokens, temperature=plan.magpie_temperature, top_p=plan.magpie_top_p,
         max_batches=plan.magpie_max_batches, dedup_threshold=plan.dedup_threshold, spec_bench=spec_turns,
         spec_bench_threshold=plan.spec_bench_threshold, progress=progress)
@@ -1164,15 +1241,18 @@ def _magpie_pool(target: Model, out_dir: pathlib.Path, plan: CorpusPlan, spec_tu
     return pool
 
 
-def _passage_pool(target: Model, out_dir: pathlib.Path, plan: CorpusPlan, progress: bool) -> dict[str, Any]:
-    """The target's greedy articles for up to `self_instruct_passage` article prompts: the passages."""
+def _passage_pool(target: Model, out_dir: pathlib.Path, share: RoundShare, progress: bool) -> dict[str, Any]:
+    """The target's greedy articles for the round's slice of up to `self_instruct_passage` article
+    prompts (one seeded order for every round): the passages."""
     path = out_dir / PASSAGES_FILE
     if path.is_file():
         return _read_json(path)
     start = time.perf_counter()
+    plan = share.plan
     tokenizer = _chat_tokenizer(target)
     articles = [text for text in _topic_templates() if self_instruct.is_article_prompt(text)]
     order = np.random.default_rng([plan.seed, 0xA27]).permutation(len(articles))[: plan.self_instruct_passage]
+    order = order[slice(*share.span(len(order)))]
     articles = [articles[i] for i in order]
     prompts = [chat_tokens(tokenizer, [{"role": "user", "content": p}], ending="assistant")[0] for p in articles]
     rows = _generate_batches(target, prompts, batch_size=plan.answer_batch_size,
@@ -1193,11 +1273,19 @@ def _user_prompts(path: str) -> list[str]:
 
 
 def _filter_source(source: str, texts: Sequence[str], extras: Sequence[dict[str, Any]], spec_bench: _ReferenceIndex,
-                   seen: set[str], plan: CorpusPlan) -> tuple[list[tuple[str, dict[str, Any]]], Counter[str]]:
+                   seen: set[str], share: RoundShare) -> tuple[list[tuple[str, dict[str, Any]]], Counter[str]]:
     """A source's prompts without empty ones, near-Spec-Bench ones and duplicates (near for the
-    free-text sources, exact for the templated ones; exact across sources via `seen`)."""
+    free-text sources, exact for the templated ones; exact across sources via `seen`), and
+    without any that repeats a prompt of an earlier round (`share.earlier`: exactly, or near
+    one of the same free-text source): "earlier_round"."""
+    plan = share.plan
     drops: Counter[str] = Counter()
     near_earlier = _NearDuplicateIndex(plan.dedup_threshold) if source in ("user", "magpie") else None
+    earlier_round = _NearDuplicateIndex(plan.dedup_threshold) if near_earlier is not None else None
+    earlier_keys = {" ".join(text.split()) for _, text in share.earlier}
+    for earlier_source, text in share.earlier:
+        if earlier_round is not None and earlier_source == source:
+            earlier_round.add(text)
     kept = []
     for text, extra in zip(texts, extras):
         text = text.strip()
@@ -1206,6 +1294,8 @@ def _filter_source(source: str, texts: Sequence[str], extras: Sequence[dict[str,
             reason = "empty"
         elif spec_bench.score(text) >= plan.spec_bench_threshold:
             reason = "near_spec_bench"
+        elif key in earlier_keys or (earlier_round is not None and earlier_round.find(text) is not None):
+            reason = "earlier_round"
         elif key in seen or (near_earlier is not None and near_earlier.find(text) is not None):
             reason = "duplicate"
         else:
@@ -1220,38 +1310,41 @@ def _filter_source(source: str, texts: Sequence[str], extras: Sequence[dict[str,
     return kept, drops
 
 
-def _build_prompts(target: Model, out_dir: pathlib.Path, plan: CorpusPlan, spec_turns: list[str],
+def _build_prompts(target: Model, out_dir: pathlib.Path, share: RoundShare, spec_turns: list[str],
                    progress: bool) -> list[dict[str, Any]]:
     path = out_dir / PROMPTS_FILE
     if path.is_file():
         return _read_jsonl(path)
+    plan = share.plan
     raw: dict[str, tuple[list[str], list[dict[str, Any]]]] = {}
     report: dict[str, dict[str, Any]] = {}
     if plan.prompts_file is not None:
         texts = _user_prompts(plan.prompts_file)
+        texts = texts[slice(*share.span(len(texts)))]
         raw["user"] = (texts, [{}] * len(texts))
-    if plan.self_instruct_topic:
-        texts = self_instruct.topic_prompts(plan.self_instruct_topic, plan.seed)
+    if share.count("self_instruct_topic"):
+        texts = self_instruct.topic_prompts(plan.self_instruct_topic, plan.seed)[
+            slice(*share.span(plan.self_instruct_topic))]
         raw["self_instruct_topic"] = (texts, [{"template": self_instruct_template(t, "self_instruct_topic")}
                                               for t in texts])
-    if plan.self_instruct_passage:
-        passages = _passage_pool(target, out_dir, plan, progress)["passages"]
+    if share.count("self_instruct_passage"):
+        passages = _passage_pool(target, out_dir, share, progress)["passages"]
         try:
-            texts = self_instruct.passage_prompts(passages, plan.self_instruct_passage, plan.seed)
+            texts = self_instruct.passage_prompts(passages, share.count("self_instruct_passage"), share.seed)
         except InvalidRequestError as error:  # the target's articles were all too short
             logger.warning("no self_instruct passage prompts: %s", error)
             texts = []
         raw["self_instruct_passage"] = (texts, [{"template": self_instruct_template(t, "self_instruct_passage")}
                                                 for t in texts])
-    if plan.math:
+    if share.count("math"):
         start = time.perf_counter()
-        problems = _wrapped_math(plan.math, plan.seed)
+        problems = _wrapped_math(share.count("math"), share.seed)
         raw["math"] = ([text for _, text in problems], [{"module": module} for module, _ in problems])
         _add_seconds(out_dir, "math", time.perf_counter() - start)
-    if plan.magpie:
-        pool = _magpie_pool(target, out_dir, plan, spec_turns, progress)
+    if share.count("magpie"):
+        pool = _magpie_pool(target, out_dir, share, spec_turns, progress)
         raw["magpie"] = (pool["prompts"], [{}] * len(pool["prompts"]))
-        report["magpie"] = {"requested": plan.magpie, "sampled": pool["sampled"], "examined": pool["examined"],
+        report["magpie"] = {"requested": share.count("magpie"), "sampled": pool["sampled"], "examined": pool["examined"],
                             "batches": pool["batches"], "synthesis_drops": pool["drops"]}
     start = time.perf_counter()
     spec_bench = _ReferenceIndex(spec_turns)
@@ -1261,14 +1354,14 @@ def _build_prompts(target: Model, out_dir: pathlib.Path, plan: CorpusPlan, spec_
         if source not in raw:
             continue
         texts, extras = raw[source]
-        kept, drops = _filter_source(source, texts, extras, spec_bench, seen, plan)
-        requested = plan.requested(source)
+        kept, drops = _filter_source(source, texts, extras, spec_bench, seen, share)
+        requested = None if source == "user" else share.count(source)
         entry = report.setdefault(source, {})
         entry.update(requested=len(texts) if requested is None else requested, candidates=len(texts),
                      kept=len(kept), drops=dict(sorted(drops.items())))
         if source == "magpie":  # the synthesis drops come first: the pool itself was already filtered
             entry["drops"] = dict(sorted((Counter(entry.pop("synthesis_drops")) + drops).items()))
-        records += [{"id": f"{source}-{number:06d}", "source": source, "text": text, **extra}
+        records += [{"id": f"{share.id_prefix()}{source}-{number:06d}", "source": source, "text": text, **extra}
                     for number, (text, extra) in enumerate(kept)]
     _write_json(out_dir / PROMPTS_REPORT_FILE, report)
     _write_jsonl(path, records)
@@ -1302,13 +1395,14 @@ def _answer_shard(target: Model, records: Sequence[Mapping[str, Any]], plan: Cor
     return shard
 
 
-def _turn2_shard(target: Model, conversations: Sequence[Mapping[str, Any]], plan: CorpusPlan, spec_turns: list[str],
+def _turn2_shard(target: Model, conversations: Sequence[Mapping[str, Any]], share: RoundShare, spec_turns: list[str],
                  number: int) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Second turns of one shard's conversations: (records, follow-up drops by reason)."""
+    plan = share.plan
     tokenizer = _chat_tokenizer(target)
     histories = [[dict(c["messages"][0]), {**c["messages"][1], "token_ids": c["answer_ids"]}] for c in conversations]
     follow_ups = synthesize_follow_ups(
-        target, histories, seed=(plan.seed, number), batch_size=plan.magpie_batch_size,
+        target, histories, seed=(share.seed, number), batch_size=plan.magpie_batch_size,
         max_new_tokens=plan.magpie_max_new_tokens, temperature=plan.magpie_temperature, top_p=plan.magpie_top_p,
         attempts=plan.follow_up_attempts, spec_bench=spec_turns, spec_bench_threshold=plan.spec_bench_threshold)
     chosen = [(c, h, text) for c, h, text in zip(conversations, histories, follow_ups.texts) if text is not None]
@@ -1363,14 +1457,15 @@ def _read_shards(out_dir: pathlib.Path, stage: str, count: int, plan: CorpusPlan
             for record in _read_jsonl(_shard_path(out_dir, stage, number))]
 
 
-def _follow_up_selection(out_dir: pathlib.Path, answers: Sequence[Mapping[str, Any]], plan: CorpusPlan) -> list[str]:
+def _follow_up_selection(out_dir: pathlib.Path, answers: Sequence[Mapping[str, Any]], share: RoundShare) -> list[str]:
     """Ids of the conversations that get a second turn: a seeded choice, fixed once made."""
     path = out_dir / SELECTION_FILE
     if path.is_file():
         return _read_json(path)["ids"]
+    plan = share.plan
     eligible = [r["id"] for r in answers if _eligible_for_follow_up(r, plan)]
     chosen = round(plan.follow_up_fraction * len(eligible))
-    order = np.random.default_rng([plan.seed, 0x7A2]).permutation(len(eligible))[:chosen]
+    order = np.random.default_rng([share.seed, 0x7A2]).permutation(len(eligible))[:chosen]
     ids = [eligible[i] for i in sorted(order)]
     _write_json(path, {"ids": ids, "eligible": len(eligible)})
     return ids
@@ -1382,22 +1477,45 @@ def build_corpus(target: Model, out_dir: str | os.PathLike[str], plan: CorpusPla
                  progress: bool = False) -> dict[str, Any]:
     """Build (or resume) the corpus in `out_dir` (see the module docstring for the files) and
     return its manifest. Finished stages and shards are skipped; a directory built with another
-    plan, target, prompts file or Spec-Bench file is refused, naming what differs."""
+    plan, target, prompts file or Spec-Bench file is refused, naming what differs. A plan of
+    several `rounds` builds round_000/, round_001/, ... in turn (each laid out as a one-round
+    corpus), and after each rewrites dataset.npz and manifest.json at the top over every round
+    done, so a corpus stopped between rounds is already usable."""
     if not isinstance(plan, CorpusPlan):
         raise InvalidRequestError(f"plan must be a CorpusPlan; got {type(plan).__name__}")
-    tokenizer = _chat_tokenizer(target)
     out_dir = pathlib.Path(out_dir)
     spec_turns = spec_bench_turns(spec_bench_questions(plan.spec_bench_path))
     _check_plan(out_dir, _plan_record(target, plan))
+    if plan.rounds == 1:
+        return _build_round(target, out_dir, RoundShare(plan), spec_turns, progress)
+    earlier: list[tuple[str, str]] = []
+    for index in range(plan.rounds):
+        round_dir = out_dir / ROUND_DIR.format(index)
+        share = RoundShare(plan, index, tuple(earlier))
+        wrote = not (round_dir / MANIFEST_FILE).is_file()
+        if progress and wrote:
+            logger.info("corpus round %d of %d", index + 1, plan.rounds)
+        _build_round(target, round_dir, share, spec_turns, progress)
+        earlier += [(r["source"], r["text"]) for r in _read_jsonl(round_dir / PROMPTS_FILE)]
+        if (wrote or not (out_dir / DATASET_FILE).is_file() or not (out_dir / MANIFEST_FILE).is_file()
+                or _read_json(out_dir / MANIFEST_FILE).get("rounds_done") != index + 1):
+            _combine_rounds(out_dir, plan, index + 1)
+    return _read_json(out_dir / MANIFEST_FILE)
 
-    prompts = _build_prompts(target, out_dir, plan, spec_turns, progress)
+
+def _build_round(target: Model, out_dir: pathlib.Path, share: RoundShare, spec_turns: list[str],
+                 progress: bool) -> dict[str, Any]:
+    """Every stage of one round (the whole corpus when the plan has one) in `out_dir`."""
+    plan = share.plan
+    tokenizer = _chat_tokenizer(target)
+    prompts = _build_prompts(target, out_dir, share, spec_turns, progress)
     wrote = _shards(out_dir, ANSWERS_DIR, prompts, plan, lambda n, items: _answer_shard(target, items, plan), progress)
     answers = _read_shards(out_dir, ANSWERS_DIR, len(prompts), plan)
     by_id = {r["id"]: r for r in answers}
-    selected = [by_id[i] for i in _follow_up_selection(out_dir, answers, plan)]
+    selected = [by_id[i] for i in _follow_up_selection(out_dir, answers, share)]
 
     def turn2(number: int, items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        shard, drops = _turn2_shard(target, items, plan, spec_turns, number)
+        shard, drops = _turn2_shard(target, items, share, spec_turns, number)
         _write_json(out_dir / TURN2_DIR / f"drops_{number:05d}.json", drops)  # before its shard: never lost
         return shard
 
@@ -1406,6 +1524,8 @@ def build_corpus(target: Model, out_dir: str | os.PathLike[str], plan: CorpusPla
 
     if wrote or not (out_dir / DATASET_FILE).is_file() or not (out_dir / MANIFEST_FILE).is_file():
         start = time.perf_counter()
+        # The split decides each prompt alone (its template, or its own hash), so rounds packed
+        # apart agree with the split of their union.
         _, held = held_out_split(prompts, plan.held_out_fraction, plan.seed)
         two_turn = {r["id"]: r for r in second if r["messages"][-1]["content"].strip()}
         conversations = [two_turn.get(r["id"], r) for r in answers]  # an empty second answer: keep one turn
@@ -1415,6 +1535,33 @@ def build_corpus(target: Model, out_dir: str | os.PathLike[str], plan: CorpusPla
         manifest = _manifest(out_dir, plan, tokenizer, prompts, answers, second, packed, packing)
         _write_json(out_dir / MANIFEST_FILE, manifest)
     return _read_json(out_dir / MANIFEST_FILE)
+
+
+def _summed(values: Sequence[Any]) -> Any:
+    """Manifests' counts added leaf by leaf: numbers summed, dicts merged key by key (a key
+    missing from some counts as absent there), anything else taken from the first."""
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, dict) for v in present):
+        keys = list(dict.fromkeys(k for v in present for k in v))
+        return {k: _summed([v.get(k) for v in present]) for k in keys}
+    if present and all(isinstance(v, int | float) and not isinstance(v, bool) for v in present):
+        total = sum(present)
+        return round(total, 3) if isinstance(total, float) else total
+    return present[0] if present else None
+
+
+def _combine_rounds(out_dir: pathlib.Path, plan: CorpusPlan, rounds_done: int) -> None:
+    """dataset.npz and manifest.json at the top of a corpus of rounds: the first `rounds_done`
+    rounds' rows, concatenated in round order, and their manifests' counts summed."""
+    round_dirs = [out_dir / ROUND_DIR.format(index) for index in range(rounds_done)]
+    parts = [PackedCorpus.load(d / DATASET_FILE) for d in round_dirs]
+    PackedCorpus.concatenate(parts).save(out_dir / DATASET_FILE)
+    manifests = [_read_json(d / MANIFEST_FILE) for d in round_dirs]
+    combined = {name: _summed([m[name] for m in manifests])
+                for name in ("sources", "prompts", "finish_reasons", "follow_ups", "rows", "tokens", "seconds")}
+    combined["tokens"]["seq_len"] = plan.seq_len
+    _write_json(out_dir / MANIFEST_FILE, {"format": FORMAT_VERSION, "plan": dataclasses.asdict(plan),
+                                          "rounds_done": rounds_done, **combined})
 
 
 def _manifest(out_dir: pathlib.Path, plan: CorpusPlan, tokenizer: Tokenizer, prompts: Sequence[Mapping[str, Any]],
@@ -1453,15 +1600,34 @@ def _manifest(out_dir: pathlib.Path, plan: CorpusPlan, tokenizer: Tokenizer, pro
 
 def corpus_status(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """What a corpus directory holds: each stage done or not, shards done of total (None while
-    the total is not known yet), and `next`, the stage a `build_corpus` call would run."""
+    the total is not known yet), and `next`, the stage a `build_corpus` call would run. A plan of
+    several rounds adds `rounds` (done of total) and reports the stages of the first round not
+    done, `next` naming it ("round 3: answers")."""
     out_dir = pathlib.Path(out_dir)
-    status: dict[str, Any] = {"planned": (out_dir / PLAN_FILE).is_file(),
-                              "magpie_pool": (out_dir / MAGPIE_FILE).is_file(),
+    if not (out_dir / PLAN_FILE).is_file():
+        return {**_round_status(out_dir, 1), "planned": False, "next": "plan"}
+    plan = _read_json(out_dir / PLAN_FILE)["plan"]
+    rounds = plan.get("rounds", 1)
+    if rounds == 1:
+        return _round_status(out_dir, plan["shard_size"])
+    done = 0
+    while done < rounds and (out_dir / ROUND_DIR.format(done) / MANIFEST_FILE).is_file():
+        done += 1
+    status = {"planned": True, "rounds": {"done": done, "total": rounds}, "dataset": (out_dir / DATASET_FILE).is_file(),
+              "complete": done == rounds, "next": None}
+    if done < rounds:
+        current = _round_status(out_dir / ROUND_DIR.format(done), plan["shard_size"])
+        status.update({key: value for key, value in current.items() if key not in ("planned", "complete", "next")})
+        status["next"] = f"round {done}: {current['next']}"
+    return status
+
+
+def _round_status(out_dir: pathlib.Path, shard_size: int) -> dict[str, Any]:
+    status: dict[str, Any] = {"planned": True, "magpie_pool": (out_dir / MAGPIE_FILE).is_file(),
                               "passage_pool": (out_dir / PASSAGES_FILE).is_file(), "prompts": None,
                               "answers": {"done": 0, "total": None}, "turn2": {"done": 0, "total": None},
                               "dataset": (out_dir / DATASET_FILE).is_file(),
                               "complete": (out_dir / MANIFEST_FILE).is_file()}
-    shard_size = _read_json(out_dir / PLAN_FILE)["plan"]["shard_size"] if status["planned"] else 1
     for stage in (ANSWERS_DIR, TURN2_DIR):
         status[stage]["done"] = len(list((out_dir / stage).glob("shard_*.jsonl")))
     if (out_dir / PROMPTS_FILE).is_file():
@@ -1469,9 +1635,7 @@ def corpus_status(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
         status[ANSWERS_DIR]["total"] = math.ceil(status["prompts"] / shard_size)
     if (out_dir / SELECTION_FILE).is_file():
         status[TURN2_DIR]["total"] = math.ceil(len(_read_json(out_dir / SELECTION_FILE)["ids"]) / shard_size)
-    if not status["planned"]:
-        status["next"] = "plan"
-    elif status["prompts"] is None:
+    if status["prompts"] is None:
         status["next"] = "prompts"
     elif status[ANSWERS_DIR]["done"] < status[ANSWERS_DIR]["total"]:
         status["next"] = "answers"

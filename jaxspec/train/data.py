@@ -7,9 +7,10 @@
     batches   pack -> Dataset                            right-padded int32[N, T] + lengths
     masks     response_mask / loss_mask                  which positions' predictions are answer tokens
                                                          (every assistant turn of a conversation)
-    order     split / batch_indices                      held-out rows; a step's rows, a function of
+    order     split / batch_indices / BatchOrder         held-out rows; a step's rows, a function of
                                                          (seed, step) alone, so a resumed run reads
-                                                         the same batches
+                                                         the same batches; BatchOrder batches rows
+                                                         of like length at their own width
     vocab     draft_vocab -> DraftVocab                  the Vd most frequent response tokens -> d2t, t2d
 
 The data lives on the host (numpy); `Dataset.batch` moves one batch at a time to the device.
@@ -161,18 +162,22 @@ class Dataset:
         positions = np.arange(self.seq_len)[None, :]
         return (positions >= self.prompt_lengths[indices, None]) & (positions < self.lengths[indices, None])
 
-    def batch(self, indices: Sequence[int]) -> dict[str, jax.Array]:
-        """Rows `indices` and their loss mask; an index of -1 is an empty row (length 0: no loss,
-        no accuracy)."""
+    def batch(self, indices: Sequence[int], width: int | None = None) -> dict[str, jax.Array]:
+        """Rows `indices` and their loss mask, `width` positions wide (default the data's
+        seq_len; narrower cuts only padding when every row fits, as `BatchOrder`'s batches do);
+        an index of -1 is an empty row (length 0: no loss, no accuracy)."""
         indices = np.asarray(indices)
+        width = self.seq_len if width is None else width
         empty = indices < 0
         safe = np.where(empty, 0, indices)
         lengths = np.where(empty, 0, self.lengths[safe])
+        if int(lengths.max(initial=0)) > width:
+            raise InvalidRequestError(f"a row of {int(lengths.max())} tokens does not fit a batch {width} wide")
         return {
-            "tokens": jnp.asarray(np.where(empty[:, None], 0, self.tokens[safe])),
+            "tokens": jnp.asarray(np.where(empty[:, None], 0, self.tokens[safe, :width])),
             "lengths": jnp.asarray(lengths),
             "prompt_lengths": jnp.asarray(np.where(empty, 0, self.prompt_lengths[safe])),
-            "loss_mask": jnp.asarray(loss_mask(self.assistant_tokens(safe), lengths)),
+            "loss_mask": jnp.asarray(loss_mask(self.assistant_tokens(safe)[:, :width], lengths)),
         }
 
     def subset(self, indices: Sequence[int]) -> "Dataset":
@@ -282,6 +287,64 @@ def batch_indices(seed: int, step: int, batch_size: int, num_train: int) -> np.n
     flat = np.arange(step * batch_size, (step + 1) * batch_size)
     epochs, offsets = np.divmod(flat, num_train)
     return np.asarray([_epoch_order(seed, int(e), num_train)[o] for e, o in zip(epochs, offsets)])
+
+
+def bucket_widths(lengths: np.ndarray, bucket_width: int, seq_len: int) -> np.ndarray:
+    """int64[N]: the width of the batches each row goes in: its length rounded up to a multiple
+    of `bucket_width`, at most `seq_len` (`bucket_width` 0: every row `seq_len` wide)."""
+    lengths = np.asarray(lengths, np.int64)
+    if not bucket_width:
+        return np.full(lengths.shape, seq_len, np.int64)
+    return np.minimum(-(-np.maximum(lengths, 1) // bucket_width) * bucket_width, seq_len)
+
+
+def length_batches(rows: Sequence[int], widths: Sequence[int], batch_size: int) -> list[tuple[np.ndarray, int]]:
+    """`rows` in batches of one width each, narrowest first, every batch `batch_size` rows (the
+    last of a width padded with -1, empty rows): (row indices, width) per batch."""
+    rows, widths = np.asarray(rows, np.int64), np.asarray(widths, np.int64)
+    batches = []
+    for width in np.unique(widths):
+        members = rows[widths == width]
+        for start in range(0, len(members), batch_size):
+            chunk = members[start: start + batch_size]
+            batches.append((np.concatenate([chunk, np.full(batch_size - len(chunk), -1, np.int64)]), int(width)))
+    return batches
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BatchOrder:
+    """Which rows training step s reads, and how wide its batch is: rows of like length batched
+    together at their bucket's width (`bucket_widths`), so a batch of short conversations does not
+    pay for the longest window. Epoch e shuffles the rows of each width and the batches of all
+    widths with the seed (seed, e); epochs follow each other; so a step's batch is a function of
+    (seed, step) alone and a resumed run reads the same batches. Every epoch has the same number
+    of batches, each of `batch_size` rows (a width's last batch padded with empty rows, -1)."""
+
+    rows: np.ndarray  # int64[N]: the training rows
+    widths: np.ndarray  # int64[N]: each one's batch width
+    batch_size: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        _, counts = np.unique(self.widths, return_counts=True)
+        return int(np.sum(-(-counts // self.batch_size)))
+
+    def epoch(self, epoch: int) -> list[tuple[np.ndarray, int]]:
+        return _bucketed_epoch(self, epoch)
+
+    def step(self, step: int) -> tuple[np.ndarray, int]:
+        """(row indices, batch width) of training step `step`."""
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        return self.epoch(epoch)[offset]
+
+
+@functools.lru_cache(maxsize=4)
+def _bucketed_epoch(order: BatchOrder, epoch: int) -> list[tuple[np.ndarray, int]]:
+    rng = np.random.default_rng([order.seed, epoch, 0xB0C])
+    shuffled = rng.permutation(len(order.rows))
+    batches = length_batches(order.rows[shuffled], order.widths[shuffled], order.batch_size)
+    return [batches[i] for i in rng.permutation(len(batches))]
 
 
 # ----------------------------------------------------------------------------------------------

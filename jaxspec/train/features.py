@@ -28,7 +28,7 @@ from jaxspec import models
 from jaxspec.api import Model
 from jaxspec.errors import InvalidRequestError, UnsupportedModelError
 from jaxspec.train.config import StepSpec
-from jaxspec.train.data import Dataset
+from jaxspec.train.data import Dataset, bucket_widths
 from jaxspec.train.heads import Frozen
 
 
@@ -63,48 +63,60 @@ class FeatureCache:
 
     Recomputing the target per step costs a full forward over B x T tokens (for SmolLM2-135M at
     8 x 256, ~0.55 TFLOP: more than the head's forward and backward); cached, each epoch after the
-    first costs only the head. Per chunk of `chunk_rows` rows, two memory-mapped .npy files:
+    first costs only the head. Rows are stored in order of length, `chunk_rows` to a chunk, each
+    chunk only as wide as its longest row needs (`bucket_widths`), so a corpus of short answers in
+    a long window costs its tokens, not rows x window. Per chunk, two memory-mapped .npy files:
 
-        features_{c}.npy   float16[n, F, T, D]   the target's hidden layers (F = len(hidden_layers))
-        labels_{c}.npy     int32[n, T]           the target's next-token argmax per position
+        features_{c}.npy   float16[n, F, W_c, D]   the target's hidden layers (F = len(hidden_layers))
+        labels_{c}.npy     int32[n, W_c]           the target's next-token argmax per position
 
     float16 halves the bytes of float32 (SmolLM2's residual stream stays far inside its range;
-    a chunk that overflows is refused). `meta.json` records the data fingerprint, the layers and the
-    target, so a cache built for other data or another target is never read; one built with more
-    layers serves any subset of them (an EAGLE-3 and an MTP head can share one cache). A chunk
-    appears atomically (written aside, then renamed), so an interrupted build resumes at the next
-    chunk.
+    a chunk that overflows is refused). `meta.json` records the data fingerprint, the layers, the
+    layout and the target, so a cache built for other data or another target is never read; one
+    built with more layers serves any subset of them (an EAGLE-3 and an MTP head can share one
+    cache). A chunk appears atomically (written aside, then renamed), so an interrupted build
+    resumes at the next chunk.
     """
 
     directory: pathlib.Path
     chunk_rows: int
     layers: tuple[int, ...]  # the hidden layers stored, in order
-    features: tuple[np.ndarray, ...]  # per chunk float16[n, F, T, D] (memory-mapped)
-    labels: tuple[np.ndarray, ...]  # per chunk int32[n, T]
+    features: tuple[np.ndarray, ...]  # per chunk float16[n, F, W_c, D] (memory-mapped)
+    labels: tuple[np.ndarray, ...]  # per chunk int32[n, W_c]
+    slot: np.ndarray  # int64[N]: data row -> its place in length order (chunk = slot // chunk_rows)
+    seq_len: int  # the data's window
 
-    def rows(self, indices: np.ndarray, layers: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(float32[B, F', T, D], int32[B, T]) for data rows `indices` and `layers` (default: all
-        stored); -1 gives a zero row."""
+    def rows(self, indices: np.ndarray, layers: tuple[int, ...] | None = None,
+             width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(float32[B, F', W, D], int32[B, W]) for data rows `indices` and `layers` (default: all
+        stored), `width` positions wide (default the window); -1 gives a zero row. Positions past
+        a row's chunk width (past its end: padding) are zero."""
         select = [self.layers.index(layer) for layer in (layers or self.layers)]
-        feats, labels = [], []
-        for index in np.asarray(indices):
-            chunk, offset = divmod(max(int(index), 0), self.chunk_rows)
-            feats.append(self.features[chunk][offset, select])
-            labels.append(self.labels[chunk][offset])
-        feats, labels = np.stack(feats).astype(np.float32), np.stack(labels)
-        empty = np.asarray(indices) < 0
-        feats[empty], labels[empty] = 0.0, 0
+        width = self.seq_len if width is None else width
+        indices = np.asarray(indices)
+        feats = np.zeros((len(indices), len(select), width, self.features[0].shape[-1]), np.float32)
+        labels = np.zeros((len(indices), width), np.int32)
+        for out, index in enumerate(indices):
+            if index < 0:
+                continue
+            chunk, offset = divmod(int(self.slot[index]), self.chunk_rows)
+            stored = min(width, self.labels[chunk].shape[1])
+            feats[out, :, :stored] = self.features[chunk][offset, select, :stored]
+            labels[out, :stored] = self.labels[chunk][offset, :stored]
         return feats, labels
 
 
 FEATURE_META = "meta.json"
+FEATURE_LAYOUT = "by_length/1"  # rows in length order, chunks as wide as their rows need
 
 
 def cache_features(target: Model, data: Dataset, hidden_layers: tuple[int, ...], directory: str | os.PathLike[str],
-                   *, batch_size: int = 8, chunk_rows: int = 64, progress: bool = False) -> FeatureCache:
-    """Run the target over every row of `data` once (batches of `batch_size`, one compile) and keep
-    its `hidden_layers` and next-token argmax in `directory` (see FeatureCache). Chunks already
-    there for the same data and target, holding these layers or more, are reused."""
+                   *, batch_size: int = 8, chunk_rows: int = 64, bucket_width: int = 256,
+                   progress: bool = False) -> FeatureCache:
+    """Run the target over every row of `data` once (batches of `batch_size`, one compile per
+    width) and keep its `hidden_layers` and next-token argmax in `directory` (see FeatureCache;
+    chunk widths are multiples of `bucket_width`, 0: the whole window). Chunks already there for
+    the same data, layout and target, holding these layers or more, are reused."""
     from tqdm.auto import tqdm
 
     if chunk_rows % batch_size:
@@ -112,11 +124,12 @@ def cache_features(target: Model, data: Dataset, hidden_layers: tuple[int, ...],
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     meta = {"data": data.fingerprint(), "target_config": repr(target.config), "dtype": "float16",
-            "hidden_layers": list(hidden_layers), "chunk_rows": chunk_rows}
+            "layout": FEATURE_LAYOUT, "bucket_width": bucket_width, "hidden_layers": list(hidden_layers),
+            "chunk_rows": chunk_rows}
     meta_path = directory / FEATURE_META
     if meta_path.is_file():
         saved = json.loads(meta_path.read_text(encoding="utf-8"))
-        same_source = all(saved.get(key) == meta[key] for key in ("data", "target_config", "dtype"))
+        same_source = all(saved.get(key) == meta[key] for key in ("data", "target_config", "dtype", "layout"))
         if same_source and set(hidden_layers) <= set(saved.get("hidden_layers", ())):
             meta = saved  # this data's cache, with our layers among its own: read ours out of it
         else:
@@ -126,27 +139,31 @@ def cache_features(target: Model, data: Dataset, hidden_layers: tuple[int, ...],
     stored, chunk_rows = tuple(meta["hidden_layers"]), int(meta["chunk_rows"])
     if chunk_rows % batch_size:  # a reused cache's chunks: fill them in whole batches still
         batch_size = math.gcd(batch_size, chunk_rows)
+    order = np.argsort(data.lengths, kind="stable")  # slot -> data row
+    slot = np.empty(len(data), np.int64)
+    slot[order] = np.arange(len(data))
+    widths = bucket_widths(data.lengths, int(meta["bucket_width"]), data.seq_len)
     num_chunks = -(-len(data) // chunk_rows)
     names = [(directory / f"features_{c:05d}.npy", directory / f"labels_{c:05d}.npy") for c in range(num_chunks)]
     todo = [c for c, (feat, lab) in enumerate(names) if not (feat.is_file() and lab.is_file())]
-    with tqdm(total=len(data), initial=(num_chunks - len(todo)) * chunk_rows if todo else len(data),
+    with tqdm(total=len(data), initial=len(data) - sum(min(chunk_rows, len(data) - c * chunk_rows) for c in todo),
               desc="target features", unit="row", disable=not progress) as bar:
         for chunk in todo:
-            start = chunk * chunk_rows
-            rows = list(range(start, min(start + chunk_rows, len(data))))
+            rows = order[chunk * chunk_rows: (chunk + 1) * chunk_rows].tolist()
+            width = int(widths[rows].max())  # the longest row's (the rows are in length order)
             feats, labels = [], []
             for first in range(0, len(rows), batch_size):
                 indices = rows[first: first + batch_size]
                 padded = indices + [-1] * (batch_size - len(indices))
-                out = target_batch(target.params, target.config, stored, data.batch(padded))
-                stacked = np.stack([np.asarray(f) for f in out["features"]], axis=1)  # [B, F, T, D]
+                out = target_batch(target.params, target.config, stored, data.batch(padded, width))
+                stacked = np.stack([np.asarray(f) for f in out["features"]], axis=1)  # [B, F, W, D]
                 feats.append(stacked[: len(indices)].astype(np.float16))
                 labels.append(np.asarray(out["labels"])[: len(indices)])
                 bar.update(len(indices))
             feats, labels = np.concatenate(feats), np.concatenate(labels)
             if not np.isfinite(feats).all():
                 raise UnsupportedModelError(
-                    f"the target's hidden states overflow float16 in rows {rows[0]}..{rows[-1]}; "
+                    f"the target's hidden states overflow float16 in chunk {chunk}; "
                     "train without the feature cache (cache_features=False)")
             for path, array in zip(names[chunk], (feats, labels)):
                 aside = path.with_suffix(".partial.npy")
@@ -154,7 +171,8 @@ def cache_features(target: Model, data: Dataset, hidden_layers: tuple[int, ...],
                 os.replace(aside, path)
     return FeatureCache(directory=directory, chunk_rows=chunk_rows, layers=stored,
                         features=tuple(np.load(feat, mmap_mode="r") for feat, _ in names),
-                        labels=tuple(np.load(lab, mmap_mode="r") for _, lab in names))
+                        labels=tuple(np.load(lab, mmap_mode="r") for _, lab in names), slot=slot,
+                        seq_len=data.seq_len)
 
 
 def _targets(target_params: Any, frozen: Frozen, batch: dict[str, jax.Array], spec: StepSpec) -> dict[str, Any]:
@@ -164,20 +182,22 @@ def _targets(target_params: Any, frozen: Frozen, batch: dict[str, jax.Array], sp
 
 def target_source(target: Model, data: Dataset, frozen: Frozen, spec: StepSpec, feature_dir: pathlib.Path,
                   progress: bool):
-    """`targets_for(rows)`: the target's half of the batch of data rows `rows` (-1: an empty row),
-    read from the run's FeatureCache (built on first use) or recomputed by a target forward."""
+    """`targets_for(rows, width)`: the target's half of the batch of data rows `rows` (-1: an
+    empty row), `width` positions wide, read from the run's FeatureCache (built on first use) or
+    recomputed by a target forward."""
     cfg = spec.train
     if not cfg.cache_features:
-        return lambda rows: _targets(target.params, frozen, data.batch(rows), spec)
+        return lambda rows, width: _targets(target.params, frozen, data.batch(rows, width), spec)
     # The cache also keeps the final-normed stream (layer L, an MTP head's input), which the
     # forward computes anyway: an EAGLE-3 run's cache then serves an MTP run on the same data.
     layers = tuple(dict.fromkeys(spec.hidden_layers + (target.config.num_layers,)))
     cache = cache_features(target, data, layers, feature_dir, batch_size=cfg.batch_size,
-                           chunk_rows=cfg.batch_size * max(1, 64 // cfg.batch_size), progress=progress)
+                           chunk_rows=cfg.batch_size * max(1, 64 // cfg.batch_size), bucket_width=cfg.bucket_width,
+                           progress=progress)
 
-    def targets_for(rows):
-        batch = data.batch(rows)
-        features, labels = cache.rows(rows, spec.hidden_layers)  # [B, F, T, D], [B, T]
+    def targets_for(rows, width):
+        batch = data.batch(rows, width)
+        features, labels = cache.rows(rows, spec.hidden_layers, width)  # [B, F, W, D], [B, W]
         return {"tokens": batch["tokens"], "features": tuple(jnp.asarray(features[:, i]) for i in range(features.shape[1])),
                 "labels": jnp.asarray(labels),
                 "loss_mask": batch["loss_mask"]}

@@ -146,17 +146,14 @@ def summarise(terms: dict[str, np.ndarray], step_decay: float) -> dict[str, Any]
     return {"loss": loss, "top1": float(top1[0]), "top1_by_step": [float(t) for t in top1]}
 
 
-def evaluate(params: HeadParams, frozen: Frozen, rows: Sequence[int], targets_for, spec: StepSpec,
-             batch_size: int) -> dict[str, Any]:
-    """Loss and top-1 agreement over data rows `rows`, summed exactly across batches (the last
-    batch is padded with empty rows, so every batch has one shape). `targets_for(indices)` gives
-    the target's half of a batch (see `target_source`)."""
+def evaluate(params: HeadParams, frozen: Frozen, batches: Sequence[tuple[np.ndarray, int]], targets_for,
+             spec: StepSpec) -> dict[str, Any]:
+    """Loss and top-1 agreement over `batches` ((row indices, width) each, as
+    `data.length_batches` makes them: -1 an empty row), summed exactly across batches.
+    `targets_for(indices, width)` gives the target's half of a batch (see `target_source`)."""
     totals: dict[str, np.ndarray] | None = None
-    rows = list(rows)
-    for start in range(0, len(rows), batch_size):
-        indices = rows[start: start + batch_size]
-        indices += [-1] * (batch_size - len(indices))
-        targets = targets_for(np.asarray(indices))
+    for indices, width in batches:
+        targets = targets_for(np.asarray(indices), width)
         terms = jax.device_get(_eval_step(trainable_params(params), frozen, targets, spec=spec))
         totals = terms if totals is None else {name: totals[name] + terms[name] for name in totals}
     return summarise(totals, spec.train.step_decay)

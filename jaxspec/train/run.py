@@ -39,11 +39,13 @@ from jaxspec.errors import CheckpointError, InvalidRequestError
 from jaxspec.models import eagle3, layers
 from jaxspec.train.config import Method, StepSpec, TrainConfig, optimizer
 from jaxspec.train.data import (
+    BatchOrder,
     Dataset,
     DraftVocab,
-    batch_indices,
+    bucket_widths,
     draft_vocab,
     draft_vocab_size_for,
+    length_batches,
     pack,
     self_distill,
     self_instruct_examples,
@@ -74,7 +76,7 @@ def _checkpoint_manager(out_dir: pathlib.Path):
 
 def _state_tree(params: HeadParams, opt_state: Any, step: int, seed: int) -> dict[str, Any]:
     """What a checkpoint holds: params, optimizer state, step, and the data-order seed (the order
-    is a function of seed and step, see batch_indices; training draws no other randomness). The
+    is a function of seed and step, see data.BatchOrder; training draws no other randomness). The
     optimizer state goes as its list of leaves: its structure (optax's named tuples) is rebuilt
     from a fresh `optimizer.init`, which the settings fix."""
     return {"params": params, "opt_state": list(jax.tree.leaves(opt_state)), "step": np.int64(step),
@@ -203,6 +205,9 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
 
         targets_for = target_source(target, data, frozen, spec, pathlib.Path(feature_dir or out_dir / FEATURE_DIR),
                                     progress)
+        widths = bucket_widths(data.lengths, cfg.bucket_width, data.seq_len)
+        order = BatchOrder(train_rows, widths[train_rows], cfg.batch_size, cfg.seed)
+        val_batches = length_batches(val_rows, widths[val_rows], cfg.batch_size)
         stop = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         history: list[dict[str, float]] = []
         validation = None
@@ -210,7 +215,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
         with tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.method.value}", unit="step",
                   disable=not progress) as bar:
             for step in range(start, stop):
-                targets = targets_for(train_rows[batch_indices(cfg.seed, step, cfg.batch_size, len(train_rows))])
+                targets = targets_for(*order.step(step))
                 params, opt_state, metrics = train_step(params, opt_state, frozen, targets, spec=spec)
                 summary = summarise(jax.device_get(metrics), cfg.step_decay)
                 done = step + 1
@@ -218,7 +223,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
                 bar.set_postfix(loss=f"{summary['loss']:.3f}", top1=f"{summary['top1']:.2f}")
                 bar.update()
                 if len(val_rows) and (done % cfg.eval_every == 0 or done == cfg.steps):
-                    validation = evaluate(params, frozen, val_rows, targets_for, spec, cfg.batch_size)
+                    validation = evaluate(params, frozen, val_batches, targets_for, spec)
                     bar.write(f"step {done}: validation loss {validation['loss']:.4f}, "
                               f"top-1 {validation['top1']:.3f} (by depth "
                               f"{', '.join(f'{t:.2f}' for t in validation['top1_by_step'])})")
