@@ -1,0 +1,156 @@
+"""EAGLE-3 heads side by side on Spec-Bench: first-draft acceptance and tau per group, chains and
+trees, and wall-clock against plain decoding on MT-bench prompts, all in one run.
+
+    . .venv/bin/activate && python bench/heads.py                                   # the shipped head
+    . .venv/bin/activate && python bench/heads.py --head v1=eagle3-smollm2-135m --head r0=runs/head_r0
+    . .venv/bin/activate && python bench/heads.py --weight-format int8 --timing-prompts 4
+
+What a head is judged by (issue 15): on each Spec-Bench group (summarization, rag, qa,
+translation, math_reasoning, mt_bench; the first turn of the first `--prompts` questions, MT-bench
+taking its eight categories in turn, as bench/spec.py picks them), greedy speculative decoding of
+128 tokens (`ignore_eos`, so every run does the same work) gives
+
+  * first-draft acceptance: P(the first draft of a round is accepted), `acceptance_by_position[0]`;
+  * tau: tokens committed per target forward (round);
+
+for chains of each `--k` and each `--tree` shape. The prompts of a group run as one batch (the
+acceptance counts are per row, so batching changes no figure, only the time). Every speculative
+output is checked against plain greedy of the same batch, token for token (a mismatch is a bug
+and fails the run).
+
+Wall-clock: on the first `--timing-prompts` MT-bench prompts, at batch 1, plain decoding and each
+head at `--timing-k` run back to back per prompt; the speedup is the median over prompts of the
+ratio of decode tokens/s. A head directory written by `jaxspec.cli train-head` carries its
+training data (train_data.npz): its rows and assistant tokens are reported beside it, so a table
+of heads trained on growing data is the acceptance curve against data size.
+
+The table replaces the section "## EAGLE-3 heads on Spec-Bench (bench/heads.py[ --weight-format
+F])" of bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import platform
+import statistics
+import sys
+
+import jax
+import numpy as np
+
+from results_md import replace_section  # bench/ is on sys.path when a bench script runs
+from spec import DEFAULT_QUESTIONS, DEFAULT_RESULTS, GROUPS, TIMING_STOP_TOKEN, pick_prompts
+
+import jaxspec
+from jaxspec.train.data import Dataset
+
+NEW_TOKENS = 128
+
+
+def head_data(path: str) -> str:
+    """The training data a head directory carries: "N rows, M assistant tokens" (or "-")."""
+    data_file = pathlib.Path(path) / "train_data.npz"
+    if not data_file.is_file():
+        return "-"
+    data = Dataset.load(data_file)
+    train_rows = int(len(data) - (data.held_out.sum() if data.held_out is not None else 0))
+    return f"{train_rows:,} rows, {int(data.assistant_tokens().sum()):,} assistant tokens"
+
+
+def run_group(model, head, prompts: list[str], plain_tokens, **options) -> jaxspec.SpecStats:
+    result = jaxspec.generate(model, head, prompts, chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True, **options)
+    for row, (ours, theirs) in enumerate(zip(result.tokens, plain_tokens)):
+        if list(ours) != list(theirs):
+            sys.exit(f"speculative output differs from plain greedy (row {row}, {options}): a bug")
+    return result.stats
+
+
+def timing(model, heads: dict, prompts: list[str], k: int) -> dict[str, float]:
+    """Median over prompts (batch 1) of each head's decode tokens/s over plain's, run back to back."""
+    stop = model.tokenizer.encode(TIMING_STOP_TOKEN, add_special_tokens=False)
+    ratios: dict[str, list[float]] = {name: [] for name in heads}
+    plain_rates = []
+    for prompt in prompts:
+        options = dict(chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=stop)
+        for _ in range(2):  # the first call of a shape compiles
+            plain = jaxspec.generate(model, None, prompt, **options)
+        plain_rates.append(plain.stats.decode_tokens_per_second)
+        for name, head in heads.items():
+            for _ in range(2):
+                spec = jaxspec.generate(model, head, prompt, num_draft_tokens=k, **options)
+            ratios[name].append(spec.stats.decode_tokens_per_second / plain.stats.decode_tokens_per_second)
+    return {"plain": statistics.median(plain_rates), **{name: statistics.median(r) for name, r in ratios.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head", action="append", default=None, metavar="NAME=PATH",
+                        help="a head to measure (repeat; default v1=eagle3-smollm2-135m)")
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per group")
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 6], help="chain draft lengths")
+    parser.add_argument("--tree", nargs="*", default=["4,8,16"], help="draft-tree shapes D,K,N")
+    parser.add_argument("--timing-prompts", type=int, default=3, help="MT-bench prompts timed at batch 1 (0: none)")
+    parser.add_argument("--timing-k", type=int, default=4)
+    parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8"))
+    parser.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS)
+    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
+    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    args = parser.parse_args(argv)
+
+    specs = [item.split("=", 1) for item in (args.head or ["v1=eagle3-smollm2-135m"])]
+    if any(len(pair) != 2 for pair in specs):
+        parser.error("--head takes NAME=PATH")
+    model = jaxspec.load(weight_format=args.weight_format)
+    heads = {name: jaxspec.load(path) for name, path in specs}
+    picked = pick_prompts(args.questions, args.prompts)
+    settings = [("chain", k, dict(num_draft_tokens=k)) for k in args.k]
+    settings += [("tree", shape, dict(tree=shape)) for shape in args.tree]
+
+    rows = []  # (head, setting, {group: (first-draft acceptance, tau)})
+    for group in GROUPS:
+        prompts = [p.text for p in picked[group]]
+        plain = jaxspec.generate(model, None, prompts, chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        for name, head in heads.items():
+            for kind, value, options in settings:
+                stats = run_group(model, head, prompts, plain.tokens, **options)
+                key = (name, f"{kind} {value}")
+                entry = next((r for r in rows if r[0] == key), None)
+                if entry is None:
+                    entry = (key, {})
+                    rows.append(entry)
+                entry[1][group] = (stats.acceptance_by_position[0], stats.tau)
+                print(f"{group:15s} {name:6s} {kind} {value}: first draft {stats.acceptance_by_position[0]:.3f}, "
+                      f"tau {stats.tau:.2f}", flush=True)
+    speed = timing(model, heads, [p.text for p in picked["mt_bench"][: args.timing_prompts]],
+                   args.timing_k) if args.timing_prompts else None
+
+    title = "## EAGLE-3 heads on Spec-Bench (bench/heads.py" + (
+        f" --weight-format {args.weight_format})" if args.weight_format != "f32" else ")")
+    lines = [title, "",
+             f"{datetime.date.today()}, {platform.machine()}, jax {jax.__version__}, SmolLM2-135M-Instruct ({args.weight_format} weights), {args.prompts} prompts per group (first turns), "
+             f"{NEW_TOKENS} greedy tokens, batch = the group's prompts; every output equal to plain greedy.",
+             "", "| head | trained on |", "|---|---|"]
+    lines += [f"| {name} ({path}) | {head_data(path)} |" for name, path in specs]
+    lines += ["", "First-draft acceptance / tau per group:", "",
+              "| head | drafts | " + " | ".join(GROUPS) + " | mean |", "|---|---|" + "---:|" * (len(GROUPS) + 1)]
+    for (name, setting), by_group in rows:
+        cells = [f"{by_group[g][0]:.2f} / {by_group[g][1]:.2f}" for g in GROUPS]
+        mean = (np.mean([by_group[g][0] for g in GROUPS]), np.mean([by_group[g][1] for g in GROUPS]))
+        lines.append(f"| {name} | {setting} | " + " | ".join(cells) + f" | {mean[0]:.2f} / {mean[1]:.2f} |")
+    if speed is not None:
+        lines += ["", f"Wall-clock on {args.timing_prompts} MT-bench prompts, batch 1, chain k = {args.timing_k} "
+                  f"(median ratio of decode tokens/s; plain {speed['plain']:.1f} tok/s):", "",
+                  "| head | speedup over plain |", "|---|---:|"]
+        lines += [f"| {name} | {speed[name]:.2f}x |" for name in heads]
+    lines += ["", "Command: `python bench/heads.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`"]
+    section = "\n".join(lines)
+    print(section)
+    if not args.no_write:
+        replace_section(args.results, title, section)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
