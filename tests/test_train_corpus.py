@@ -8,6 +8,9 @@ import contextlib
 import dataclasses
 import json
 import random
+import socket
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -505,6 +508,34 @@ def test_a_corpus_of_rounds_is_usable_between_rounds_and_resumes_to_the_same(bui
         corpus.build_corpus(chat_model, killed, dataclasses.replace(plan, rounds=3))
     with pytest.raises(jaxspec.InvalidRequestError, match="rounds must be an integer >= 1"):
         corpus.CorpusPlan(rounds=0)
+
+
+def test_workers_share_a_corpus_through_claims(built_in_rounds, chat_model, user_file, tmp_path):
+    """A worker skips what another live worker has claimed and goes on to what it can make (the
+    next round); once the claimant is gone its claim is stale, taken over, and the corpus comes
+    out as one worker alone makes it."""
+    out_dir, _, _ = built_in_rounds
+    plan = dataclasses.replace(tiny_plan(user_file), rounds=2)
+    shared = tmp_path / "shared"
+    claim = shared / "round_000" / "answers" / ".shard_00000.jsonl.claim"
+    claim.parent.mkdir(parents=True)
+    (shared / "plan.json").write_bytes((out_dir / "plan.json").read_bytes())  # the other worker started it
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        claim.write_text(f"{socket.gethostname()} {other.pid}\n")
+        status = corpus.build_corpus(chat_model, shared, plan, wait=False)
+        assert status["busy"] and status["rounds"]["done"] == 0 and status["next"] == "round 0: answers"
+        assert not (shared / "round_000" / "answers" / "shard_00000.jsonl").exists()
+        assert (shared / "round_000" / "answers" / "shard_00001.jsonl").is_file()
+        assert (shared / "round_001" / "manifest.json").is_file()  # the next round went ahead
+        assert not (shared / "dataset.npz").exists()  # nothing to cover until round 0 is done
+    finally:
+        other.kill()
+        other.wait()
+    with counted_generate() as calls:
+        manifest = corpus.build_corpus(chat_model, shared, plan)
+    assert calls and manifest["rounds_done"] == 2 and not list(shared.rglob(".*.claim"))
+    assert corpus_files(shared) == corpus_files(out_dir)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,6 +38,10 @@ round_000/, round_001/, ... (every file but plan.json); the top's dataset.npz an
 cover the rounds done so far ("rounds_done"), rewritten as each round finishes, so a corpus too
 large for one sitting is usable, and can be committed and resumed, round by round.
 
+Several processes may run the same build at once: each claims a file before it makes it
+(`.NAME.claim` beside it: host and pid), leaves files another live worker holds, and moves on
+to the next round's work while a round waits on another worker's shards (`_claim`).
+
 Every file is written whole (a temporary file, then a rename), so a killed run leaves only
 finished files behind and the next run starts at the first missing one; a finished file is
 never rewritten, and greedy answers and seeded samples make the resumed corpus identical to an
@@ -65,6 +69,7 @@ id-ordered sets, so a seed did not fix them: `_make_composition_deterministic` o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -76,6 +81,7 @@ import os
 import pathlib
 import random
 import re
+import socket
 import sys
 import time
 import unicodedata
@@ -1164,6 +1170,78 @@ def _read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
     return records
 
 
+class _Busy(Exception):
+    """A file this build needs is being made by another live worker."""
+
+
+CLAIM_POLL_SECONDS = 30.0
+_EMPTY_CLAIM_SECONDS = 60.0  # a claim file still empty after this long: its writer died creating it
+
+
+def _claim_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(f".{path.name}.claim")
+
+
+def _claimant_alive(claim: pathlib.Path) -> bool:
+    """Whether the worker that wrote `claim` ("host pid") may still be making its file: a process
+    of this host that is gone is not; one of another host (a shared directory) is assumed alive."""
+    try:
+        text = claim.read_text(encoding="utf-8").split()
+        age = time.time() - claim.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if len(text) != 2 or not text[1].isdigit():
+        return age < _EMPTY_CLAIM_SECONDS
+    host, pid = text[0], int(text[1])
+    if host != socket.gethostname():
+        return True
+    if pid == os.getpid():
+        return False  # our own, left by an interrupted attempt in this process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _claim(path: pathlib.Path):
+    """Claim the making of `path` for this process, or raise _Busy if a live worker holds it.
+
+    Several processes may build one corpus at once: each claims a file before it makes it (a
+    `.NAME.claim` beside it, created exclusively, holding host and pid) and releases it once the
+    file is written; a claim whose process is gone is taken over. Two workers taking over the
+    same dead claim at the same instant may both make the file: the work is repeated, never
+    wrong (the same deterministic content, each write atomic)."""
+    claim = _claim_path(path)
+    claim.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            handle = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
+            if _claimant_alive(claim):
+                raise _Busy(path) from None
+            claim.unlink(missing_ok=True)
+    with os.fdopen(handle, "w", encoding="utf-8") as out:
+        out.write(f"{socket.gethostname()} {os.getpid()}\n")
+    try:
+        yield
+    finally:
+        claim.unlink(missing_ok=True)
+
+
+def _made_once(path: pathlib.Path, read: Callable[[pathlib.Path], Any], make: Callable[[], None]) -> Any:
+    """`read(path)`, `make()` writing it first unless it is there (claimed while it is made)."""
+    if not path.is_file():
+        with _claim(path):
+            if not path.is_file():  # another worker may have finished it meanwhile
+                make()
+    return read(path)
+
+
 def _file_sha256(path: str | os.PathLike[str]) -> str:
     return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
@@ -1222,9 +1300,13 @@ def _check_plan(out_dir: pathlib.Path, record: dict[str, Any]) -> None:
 
 def _magpie_pool(target: Model, out_dir: pathlib.Path, share: RoundShare, spec_turns: list[str],
                  progress: bool) -> dict[str, Any]:
+    return _made_once(out_dir / MAGPIE_FILE, _read_json,
+                      lambda: _write_magpie_pool(target, out_dir, share, spec_turns, progress))
+
+
+def _write_magpie_pool(target: Model, out_dir: pathlib.Path, share: RoundShare, spec_turns: list[str],
+                       progress: bool) -> None:
     path = out_dir / MAGPIE_FILE
-    if path.is_file():
-        return _read_json(path)
     start = time.perf_counter()
     plan = share.plan
     synthesis = synthesize_user_prompts(
@@ -1238,15 +1320,16 @@ def _magpie_pool(target: Model, out_dir: pathlib.Path, share: RoundShare, spec_t
             "drops": dict(synthesis.drops)}
     _write_json(path, pool)
     _add_seconds(out_dir, "magpie", time.perf_counter() - start)
-    return pool
 
 
 def _passage_pool(target: Model, out_dir: pathlib.Path, share: RoundShare, progress: bool) -> dict[str, Any]:
     """The target's greedy articles for the round's slice of up to `self_instruct_passage` article
     prompts (one seeded order for every round): the passages."""
+    return _made_once(out_dir / PASSAGES_FILE, _read_json, lambda: _write_passage_pool(target, out_dir, share, progress))
+
+
+def _write_passage_pool(target: Model, out_dir: pathlib.Path, share: RoundShare, progress: bool) -> None:
     path = out_dir / PASSAGES_FILE
-    if path.is_file():
-        return _read_json(path)
     start = time.perf_counter()
     plan = share.plan
     tokenizer = _chat_tokenizer(target)
@@ -1258,10 +1341,8 @@ def _passage_pool(target: Model, out_dir: pathlib.Path, share: RoundShare, progr
     rows = _generate_batches(target, prompts, batch_size=plan.answer_batch_size,
                              max_new_tokens=plan.passage_max_new_tokens, progress="passages" if progress else None)
     passages = [_answer_text(tokenizer, tokens) for tokens, _ in rows]
-    pool = {"article_prompts": articles, "passages": passages}
-    _write_json(path, pool)
+    _write_json(path, {"article_prompts": articles, "passages": passages})
     _add_seconds(out_dir, "passages", time.perf_counter() - start)
-    return pool
 
 
 def _user_prompts(path: str) -> list[str]:
@@ -1312,9 +1393,13 @@ def _filter_source(source: str, texts: Sequence[str], extras: Sequence[dict[str,
 
 def _build_prompts(target: Model, out_dir: pathlib.Path, share: RoundShare, spec_turns: list[str],
                    progress: bool) -> list[dict[str, Any]]:
+    return _made_once(out_dir / PROMPTS_FILE, _read_jsonl,
+                      lambda: _write_prompts(target, out_dir, share, spec_turns, progress))
+
+
+def _write_prompts(target: Model, out_dir: pathlib.Path, share: RoundShare, spec_turns: list[str],
+                   progress: bool) -> None:
     path = out_dir / PROMPTS_FILE
-    if path.is_file():
-        return _read_jsonl(path)
     plan = share.plan
     raw: dict[str, tuple[list[str], list[dict[str, Any]]]] = {}
     report: dict[str, dict[str, Any]] = {}
@@ -1366,7 +1451,6 @@ def _build_prompts(target: Model, out_dir: pathlib.Path, share: RoundShare, spec
     _write_json(out_dir / PROMPTS_REPORT_FILE, report)
     _write_jsonl(path, records)
     _add_seconds(out_dir, "prompts", time.perf_counter() - start)
-    return records
 
 
 # --- stages 2 and 3: answers, second turns --------------------------------------------------------
@@ -1444,11 +1528,21 @@ def _shards(out_dir: pathlib.Path, stage: str, work: Sequence[Any], plan: Corpus
 
     missing = [n for n in range(math.ceil(len(work) / plan.shard_size))
                if not _shard_path(out_dir, stage, n).is_file()]
+    elsewhere = []  # shards another live worker is making
     for number in tqdm(missing, desc=stage, unit="shard", disable=not progress):
-        start = time.perf_counter()
-        records = make(number, work[number * plan.shard_size: (number + 1) * plan.shard_size])
-        _write_jsonl(_shard_path(out_dir, stage, number), records)
-        _add_seconds(out_dir, stage, time.perf_counter() - start)
+        path = _shard_path(out_dir, stage, number)
+        try:
+            with _claim(path):
+                if path.is_file():
+                    continue
+                start = time.perf_counter()
+                records = make(number, work[number * plan.shard_size: (number + 1) * plan.shard_size])
+                _write_jsonl(path, records)
+                _add_seconds(out_dir, stage, time.perf_counter() - start)
+        except _Busy:
+            elsewhere.append(number)
+    if elsewhere:
+        raise _Busy(_shard_path(out_dir, stage, elsewhere[0]))  # the stage is read whole: not yet
     return bool(missing)
 
 
@@ -1459,48 +1553,75 @@ def _read_shards(out_dir: pathlib.Path, stage: str, count: int, plan: CorpusPlan
 
 def _follow_up_selection(out_dir: pathlib.Path, answers: Sequence[Mapping[str, Any]], share: RoundShare) -> list[str]:
     """Ids of the conversations that get a second turn: a seeded choice, fixed once made."""
-    path = out_dir / SELECTION_FILE
-    if path.is_file():
-        return _read_json(path)["ids"]
     plan = share.plan
-    eligible = [r["id"] for r in answers if _eligible_for_follow_up(r, plan)]
-    chosen = round(plan.follow_up_fraction * len(eligible))
-    order = np.random.default_rng([share.seed, 0x7A2]).permutation(len(eligible))[:chosen]
-    ids = [eligible[i] for i in sorted(order)]
-    _write_json(path, {"ids": ids, "eligible": len(eligible)})
-    return ids
+
+    def choose() -> None:
+        eligible = [r["id"] for r in answers if _eligible_for_follow_up(r, plan)]
+        chosen = round(plan.follow_up_fraction * len(eligible))
+        order = np.random.default_rng([share.seed, 0x7A2]).permutation(len(eligible))[:chosen]
+        _write_json(out_dir / SELECTION_FILE, {"ids": [eligible[i] for i in sorted(order)], "eligible": len(eligible)})
+
+    return _made_once(out_dir / SELECTION_FILE, _read_json, choose)["ids"]
 
 
 # --- stage 4 and the build --------------------------------------------------------------------
 
 def build_corpus(target: Model, out_dir: str | os.PathLike[str], plan: CorpusPlan, *,
-                 progress: bool = False) -> dict[str, Any]:
+                 progress: bool = False, wait: bool = True) -> dict[str, Any]:
     """Build (or resume) the corpus in `out_dir` (see the module docstring for the files) and
     return its manifest. Finished stages and shards are skipped; a directory built with another
     plan, target, prompts file or Spec-Bench file is refused, naming what differs. A plan of
     several `rounds` builds round_000/, round_001/, ... in turn (each laid out as a one-round
     corpus), and after each rewrites dataset.npz and manifest.json at the top over every round
-    done, so a corpus stopped between rounds is already usable."""
+    done, so a corpus stopped between rounds is already usable.
+
+    Several processes may build one corpus at once (`_claim`): each makes the files no other
+    live worker has claimed, and where a round must wait for another's shards it goes on to the
+    next round's (its prompts need only the earlier rounds' prompts). With `wait`, a worker
+    with nothing left to make waits for the others and returns the whole manifest; without,
+    it returns `corpus_status` with "busy": True at that point."""
     if not isinstance(plan, CorpusPlan):
         raise InvalidRequestError(f"plan must be a CorpusPlan; got {type(plan).__name__}")
     out_dir = pathlib.Path(out_dir)
     spec_turns = spec_bench_turns(spec_bench_questions(plan.spec_bench_path))
     _check_plan(out_dir, _plan_record(target, plan))
-    if plan.rounds == 1:
-        return _build_round(target, out_dir, RoundShare(plan), spec_turns, progress)
+    while True:
+        try:
+            if plan.rounds == 1:
+                return _build_round(target, out_dir, RoundShare(plan), spec_turns, progress)
+            if _build_rounds(target, out_dir, plan, spec_turns, progress):
+                return _read_json(out_dir / MANIFEST_FILE)
+        except _Busy:
+            pass
+        if not wait:
+            return {"busy": True, **corpus_status(out_dir)}
+        if progress:
+            logger.info("corpus: waiting for other workers")
+        time.sleep(CLAIM_POLL_SECONDS)
+
+
+def _build_rounds(target: Model, out_dir: pathlib.Path, plan: CorpusPlan, spec_turns: list[str],
+                  progress: bool) -> bool:
+    """One pass over the rounds, making what no other worker holds; True once all are done."""
     earlier: list[tuple[str, str]] = []
+    done, busy = 0, False
     for index in range(plan.rounds):
         round_dir = out_dir / ROUND_DIR.format(index)
-        share = RoundShare(plan, index, tuple(earlier))
-        wrote = not (round_dir / MANIFEST_FILE).is_file()
-        if progress and wrote:
+        if progress and not (round_dir / MANIFEST_FILE).is_file():
             logger.info("corpus round %d of %d", index + 1, plan.rounds)
-        _build_round(target, round_dir, share, spec_turns, progress)
+        try:
+            _build_round(target, round_dir, RoundShare(plan, index, tuple(earlier)), spec_turns, progress)
+            if not busy:  # every round so far is done: the top covers them before the next starts
+                done = index + 1
+                if (not (out_dir / DATASET_FILE).is_file() or not (out_dir / MANIFEST_FILE).is_file()
+                        or _read_json(out_dir / MANIFEST_FILE).get("rounds_done") != done):
+                    _combine_rounds(out_dir, plan, done)
+        except _Busy:
+            busy = True
+            if not (round_dir / PROMPTS_FILE).is_file():
+                break  # later rounds are drawn apart from this one's prompts: not yet
         earlier += [(r["source"], r["text"]) for r in _read_jsonl(round_dir / PROMPTS_FILE)]
-        if (wrote or not (out_dir / DATASET_FILE).is_file() or not (out_dir / MANIFEST_FILE).is_file()
-                or _read_json(out_dir / MANIFEST_FILE).get("rounds_done") != index + 1):
-            _combine_rounds(out_dir, plan, index + 1)
-    return _read_json(out_dir / MANIFEST_FILE)
+    return done == plan.rounds
 
 
 def _build_round(target: Model, out_dir: pathlib.Path, share: RoundShare, spec_turns: list[str],
