@@ -158,6 +158,25 @@ def test_kernel_matches_reference_under_a_tree_mask(key_format, value_format, gr
     chex.assert_trees_all_close(ours, reference, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("key_format, value_format, group, steps", [("f32", "f32", 3, 1), ("q8_0", "q5_1", 3, 5),
+                                                                    ("bf16", "bf16", 1, 9)])
+def test_reference_scores_cache_major_and_query_major_agree(monkeypatch, key_format, value_format, group, steps):
+    """The reference computes decode/verify scores cache-major (XLA:CPU's fast layout) and a
+    prefill's query-major: the same attention, causal, under a tree mask and in a sliding window."""
+    assert flash_decode_module.CACHE_MAJOR_MAX_QUERIES >= 3 * 9  # decode and verify sizes go cache-major
+    q, keys, values, lengths = _random_attention_inputs(key_format, value_format, group, steps, seed=7 * steps + group)
+    rng = np.random.RandomState(steps)
+    mask = TreeMask(start=lengths, visible=jnp.asarray(np.stack([random_tree_visible(rng, steps) for _ in lengths])))
+    cases = {"causal": {}, "tree": {"mask": mask},
+             "window": {"window": 16, "query_positions": lengths[:, None] + jnp.arange(steps)}}
+    for name, options in cases.items():
+        cache_major = flash_decode_reference(q, keys, values, lengths, **options)
+        monkeypatch.setattr(flash_decode_module, "CACHE_MAJOR_MAX_QUERIES", 0)
+        query_major = flash_decode_reference(q, keys, values, lengths, **options)
+        monkeypatch.undo()
+        assert max_relative_error(cache_major, query_major) < 1e-5, name
+
+
 def test_a_causal_triangle_mask_is_the_causal_rule_exactly():
     group, steps = 2, 5
     q, keys, values, lengths = _random_attention_inputs("q8_0", "q5_1", group, steps, seed=3)
