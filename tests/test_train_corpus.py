@@ -314,6 +314,26 @@ def test_magpie_rows_of_a_batch_sample_independently(chat_model):
     assert bounded.examined == len(bounded.texts) + sum(bounded.drops.values()) == 16
 
 
+def test_greedy_answers_written_in_spans_are_the_answers_written_at_once(chat_model):
+    """Answers come in spans (corpus.ANSWER_SPANS): rows still going continue from their own
+    prefix, regrouped; greedy, that is the same text as one span, ends and bounds alike."""
+    tokenizer = chat_model.tokenizer
+    texts = ["hello", "tell me about the history of paper money", "plan a trip " * 6, "why", "a b c d e f g " * 4]
+    prompts = [corpus.chat_tokens(tokenizer, [{"role": "user", "content": text}], ending="assistant")[0]
+               for text in texts]
+    window = max(map(len, prompts)) + 10  # the longest prompt's row meets the window before 24 new tokens
+    options = dict(batch_size=2, max_new_tokens=24, window=window)
+    free = corpus._generate_batches(chat_model, prompts, **options)
+    stop = free[0][0][5]  # a token row 0 writes early: rows that write it end there
+    whole = corpus._generate_batches(chat_model, prompts, stop_token_ids=[stop], **options)
+    reasons = [reason for _, reason in whole]
+    assert "stop" in reasons and "length" in reasons, reasons  # rows end in the first span and run on
+    assert any(len(tokens) < 24 and reason == "length" for tokens, reason in whole)  # the window's bound
+    for segments in (2, 3):
+        assert corpus._generate_batches(chat_model, prompts, stop_token_ids=[stop], segments=segments,
+                                        **options) == whole
+
+
 @contextlib.contextmanager
 def counted_generate(fail_at: int | None = None):
     """corpus.generate, counting its calls; with `fail_at`, that call raises (a killed run)."""
