@@ -266,12 +266,9 @@ def main() -> None:
     real_rows = [verify_bytes(real_cfg, t) for t in steps_range]
     time_rows = [] if args.bytes_only else timing(HYBRID, llama_cfg, steps_range, args.context, args.reps)
     section = build_section(args, llama_cfg, bytes_rows, real_cfg, real_rows, time_rows)
-    print(section)
-    if not args.no_write:
-        from results_md import replace_section  # bench/ is on sys.path when a bench script runs
+    from results_md import publish  # bench/ is on sys.path when a bench script runs
 
-        replace_section(args.results, SECTION, section)
-        print(f"wrote {args.results}")
+    publish(section, SECTION, args.results, write=not args.no_write)
 
 
 if __name__ == "__main__":

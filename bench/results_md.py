@@ -20,6 +20,14 @@ def replace_section(path: pathlib.Path, heading: str, section: str) -> None:
     path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
 
 
+def publish(section: str, heading: str, path: pathlib.Path, write: bool = True) -> None:
+    """Print a script's table; unless told not to (`--no-write`), put it in RESULTS.md as its section."""
+    print(section)
+    if write:
+        replace_section(path, heading, section)
+        print(f"wrote {path}")
+
+
 def peer_versions() -> str:
     """"torch X, transformers Y" for a report's header (the HF peers' versions)."""
     try:

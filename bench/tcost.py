@@ -33,7 +33,7 @@ import time
 import jax
 
 from forward_cost import forward_costs  # bench/ is on sys.path when a bench script runs
-from results_md import replace_section, weight_formats
+from results_md import publish, weight_formats
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_RESULTS = HERE / "RESULTS.md"
@@ -161,10 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         machine = dict(load=(load_before[0], os.getloadavg()[0]), seconds=time.perf_counter() - began)
         heading, section = SECTION, build_section(args, costs, weight_mb, machine)
     print()
-    print(section)
-    if not args.no_write:
-        replace_section(args.results, heading, section)
-        print(f"wrote {args.results}")
+    publish(section, heading, args.results, write=not args.no_write)
     return 0
 
 

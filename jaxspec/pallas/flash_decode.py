@@ -173,7 +173,8 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
         # Decode and verify: the cache is the large operand. Left to itself XLA:CPU lays the
         # product out for the softmax that follows (query-major) and contracts the cache over
         # its minor axis H slowly; computed cache-major, with a barrier that keeps that layout,
-        # a B = 64 decode step over 768 slots runs 2.6x faster and a batch-1 verify 1.1-1.3x.
+        # a whole B = 64 int8 decode step over 768 slots runs 2.2x faster, over 384 1.3x, a
+        # B = 8 verify 1.1x, batch 1 1.02-1.07x (bench/attention.py).
         scores = jax.lax.optimization_barrier(jnp.einsum("BKSH,BKQH->BKSQ", keys, queries * scale))
         scores = jnp.swapaxes(scores, -1, -2)  # [B, K, Q, S]
     else:
