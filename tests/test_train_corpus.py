@@ -334,6 +334,28 @@ def test_greedy_answers_written_in_spans_are_the_answers_written_at_once(chat_mo
                                         **options) == whole
 
 
+def test_long_prompts_go_in_halved_batches_with_the_same_answers(chat_model, monkeypatch):
+    """No generation batch holds more than batch_size rows of BATCH_PROMPT_TOKENS (memory): long
+    prompts go in power-of-two fractions of the batch; each row's greedy answer is unchanged."""
+    tokenizer = chat_model.tokenizer
+    prompts = [corpus.chat_tokens(tokenizer, [{"role": "user", "content": "tell me " * words}], ending="assistant")[0]
+               for words in (1, 2, 3, 4, 8, 16, 24, 32)]
+    options = dict(batch_size=4, max_new_tokens=8)
+    whole = corpus._generate_batches(chat_model, prompts, **options)
+    batches = []
+    real = corpus.generate
+
+    def generate(model, draft, rows, **kwargs):
+        batches.append((len(rows), max(map(len, rows))))
+        return real(model, draft, rows, **kwargs)
+
+    monkeypatch.setattr(corpus, "generate", generate)
+    monkeypatch.setattr(corpus, "BATCH_PROMPT_TOKENS", 24)
+    assert corpus._generate_batches(chat_model, prompts, **options) == whole
+    assert all(rows == 1 or rows * longest <= 4 * 24 for rows, longest in batches), batches
+    assert {rows for rows, _ in batches} == {4, 2, 1} and sum(rows for rows, _ in batches) >= len(prompts), batches
+
+
 @contextlib.contextmanager
 def counted_generate(fail_at: int | None = None):
     """corpus.generate, counting its calls; with `fail_at`, that call raises (a killed run)."""

@@ -463,6 +463,10 @@ def _derive_seed(*parts: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=4).digest(), "little")
 
 
+# What one generation batch may hold: `batch_size` rows of prompts this long (`_generate_span`).
+BATCH_PROMPT_TOKENS = 256
+
+
 # Greedy answers are written in this many spans of `answer_max_new_tokens` (`_generate_batches`):
 # the same tokens, fewer batch steps spent on rows that already ended.
 ANSWER_SPANS = 2
@@ -519,12 +523,23 @@ def _generate_span(target: Model, prompts: Sequence[Sequence[int]], *, batch_siz
     results = [([], "prompt_too_long" if len(p) >= context else "prompt_fills_window") for p in prompts]
     room = [min(context, window or context) - len(p) for p in prompts]
     order = sorted((i for i in range(len(prompts)) if room[i] >= 1), key=lambda i: len(prompts[i]))
-    chunks = [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
+    chunks, start = [], 0
+    while start < len(order):
+        # A batch's memory grows with rows x prompt length (a prefill's scores are [rows, heads,
+        # prompt, slots]): long prompts (second turns) go in halved batches, so no batch costs
+        # more than `batch_size` rows of BATCH_PROMPT_TOKENS (64 rows of 1,024-token prompts
+        # took 11 GB here). Rows stay a power-of-two fraction of `batch_size`: few shapes.
+        rows = batch_size  # the batch's padded size
+        while rows > 1 and rows * len(prompts[order[min(start + rows, len(order)) - 1]]) > \
+                batch_size * BATCH_PROMPT_TOKENS:
+            rows //= 2
+        chunks.append((order[start: start + rows], rows))
+        start += rows
     from tqdm.auto import tqdm
 
-    for number, chunk in enumerate(tqdm(chunks, desc=progress, unit="batch", disable=progress is None)):
+    for number, (chunk, padded) in enumerate(tqdm(chunks, desc=progress, unit="batch", disable=progress is None)):
         rows = [list(prompts[i]) for i in chunk]
-        rows += [rows[-1]] * (batch_size - len(rows))
+        rows += [rows[-1]] * (padded - len(rows))
         new = min(max_new_tokens, context - max(map(len, rows)), max(room[i] for i in chunk))
         options: dict[str, Any] = {"max_new_tokens": new, "stop_token_ids": list(stop_token_ids)}
         if temperature > 0:
