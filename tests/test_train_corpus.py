@@ -329,8 +329,8 @@ def test_greedy_answers_written_in_spans_are_the_answers_written_at_once(chat_mo
     reasons = [reason for _, reason in whole]
     assert "stop" in reasons and "length" in reasons, reasons  # rows end in the first span and run on
     assert any(len(tokens) < 24 and reason == "length" for tokens, reason in whole)  # the window's bound
-    for segments in (2, 3):
-        assert corpus._generate_batches(chat_model, prompts, stop_token_ids=[stop], segments=segments,
+    for spans in (2, 3):
+        assert corpus._generate_batches(chat_model, prompts, stop_token_ids=[stop], spans=spans,
                                         **options) == whole
 
 

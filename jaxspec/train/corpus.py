@@ -474,29 +474,29 @@ ANSWER_SPANS = 2
 
 def _generate_batches(target: Model, prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
                       window: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                      seed: Any = None, stop_token_ids: Sequence[int] = (), segments: int = 1,
+                      seed: Any = None, stop_token_ids: Sequence[int] = (), spans: int = 1,
                       progress: str | None = None) -> list[tuple[list[int], str]]:
     """(generated ids, finish reason) per prompt, in order. Prompts are sorted by length and every
-    batch is padded to `batch_size` rows (repeating its last), so all batches share one shape
-    per prompt bucket. New tokens stop at the context and, with `window`, where the tokens
+    batch is padded to `batch_size` rows (repeating its last; long prompts' batches to a halving of
+    it, `BATCH_PROMPT_TOKENS`), so batches share one shape per prompt bucket. New tokens stop at the context and, with `window`, where the tokens
     would leave the training window (never trained on); a prompt that leaves no room gets
     ([], "prompt_too_long") (the context) or ([], "prompt_fills_window"). Sampling seeds derive
     from (`seed`, batch number).
 
-    Greedy decoding can run in `segments` equal spans of the new tokens: after each, the rows
+    Greedy decoding can run in `spans` equal spans of the new tokens: after each, the rows
     still going continue from their prompt plus what they wrote, regrouped into full batches. A
     batch runs until its longest row is done, so in one span the rows that ended early ride
     along, and every step reads a cache sized for the longest. Half the answers here end well
     before the bound (mean 177 of 512 tokens) and half run to it: by a step cost linear in the
     cache, two spans should spend about 0.6x the time of one (an estimate, not yet timed)."""
-    if segments <= 1 or temperature > 0 or max_new_tokens < 2 * segments:
+    if spans <= 1 or temperature > 0 or max_new_tokens < 2 * spans:
         return _generate_span(target, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens, window=window,
                               temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids,
                               progress=progress)
     written: list[list[int]] = [[] for _ in prompts]
     results: list[tuple[list[int], str] | None] = [None] * len(prompts)
     going = list(range(len(prompts)))
-    bounds = [max_new_tokens * (span + 1) // segments for span in range(segments)]  # tokens written after each
+    bounds = [max_new_tokens * (span + 1) // spans for span in range(spans)]  # tokens written after each
     for span, bound in enumerate(bounds):
         spent = bound - bounds[span - 1] if span else bound
         rows = _generate_span(target, [list(prompts[i]) + written[i] for i in going], batch_size=batch_size,
@@ -1525,7 +1525,7 @@ def _answer_shard(target: Model, records: Sequence[Mapping[str, Any]], plan: Cor
     prompts = [chat_tokens(tokenizer, [{"role": "user", "content": r["text"]}], ending="assistant")[0]
                for r in records]
     rows = _generate_batches(target, prompts, batch_size=plan.answer_batch_size,
-                             max_new_tokens=plan.answer_max_new_tokens, window=plan.seq_len, segments=ANSWER_SPANS)
+                             max_new_tokens=plan.answer_max_new_tokens, window=plan.seq_len, spans=ANSWER_SPANS)
     shard = []
     for record, prompt, (answer, finish_reason) in zip(records, prompts, rows):
         shard.append({"id": record["id"], "source": record["source"],
@@ -1550,7 +1550,7 @@ def _turn2_shard(target: Model, conversations: Sequence[Mapping[str, Any]], shar
     prompts = [chat_tokens(tokenizer, h + [{"role": "user", "content": text}], ending="assistant")
                for _, h, text in chosen]
     rows = _generate_batches(target, [p for p, _ in prompts], batch_size=plan.answer_batch_size,
-                             max_new_tokens=plan.answer_max_new_tokens, window=plan.seq_len, segments=ANSWER_SPANS)
+                             max_new_tokens=plan.answer_max_new_tokens, window=plan.seq_len, spans=ANSWER_SPANS)
     shard, unstable = [], 0
     for (conversation, history, text), (prompt, spans), (answer, finish_reason) in zip(chosen, prompts, rows):
         # The first turn's tokens must open the two-turn rendering, as the target saw them when
