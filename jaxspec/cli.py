@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="EAGLE-3: draft over the N most frequent answer tokens (default: the whole vocabulary)")
     head.add_argument("--draft-vocab-coverage", type=float, default=None,
                       help="EAGLE-3: the smallest draft vocabulary (a multiple of 256) covering this fraction of "
-                           "the answers' tokens, e.g. 0.99; instead of --draft-vocab-size")
+                           "the held-out answers' tokens, e.g. 0.95; instead of --draft-vocab-size")
     head.add_argument("--bucket-width", type=int, default=256,
                       help="batch rows of like length, cut to a multiple of this many positions (0: the whole "
                            "--seq-len window every batch)")

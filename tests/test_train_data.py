@@ -80,10 +80,47 @@ def test_the_draft_vocabulary_can_be_sized_by_the_answers_it_covers():
     assert train.draft_vocab_size_for(data, 600, 0.9) == 512  # 300 tokens
     assert train.draft_vocab_size_for(data, 600, 1.0) == 512  # 400 tokens
     assert train.draft_vocab_size_for(data, 300, 1.0) == 300  # never past the vocabulary
+    # Measured on held-out answers: 150 tokens the ranking has (ids < 150) and 50 it has never
+    # seen (ids 500-549, ranked after the 400 seen ids, by id). In-sample, 0.9 needs 300
+    # ranked tokens; held out, 0.9 (180 tokens) needs 30 of the unseen ids, up to rank 530.
+    held_answers = list(range(150)) + list(range(500, 550))
+    held = train.pack([train.Example(tokens=(1, 2, *held_answers), prompt_length=2)], 1002)
+    held_coverage = train.answer_token_coverage(data, 600, measured_on=held)
+    assert held_coverage[149] == pytest.approx(0.75) and held_coverage[499] == pytest.approx(0.75)
+    assert held_coverage[509] == pytest.approx(0.8) and held_coverage[549] == pytest.approx(1.0)
+    assert train.draft_vocab_size_for(data, 600, 0.7, measured_on=held) == 256  # 140 tokens
+    assert train.draft_vocab_size_for(data, 1000, 0.9, measured_on=held) == 768  # 530 tokens (in-sample 512)
+    # The vocabulary is the ranking's head, so the coverage measured is the coverage drafted.
+    for size in (256, 512, 530, 600):
+        drafted = train.draft_vocab(data, 600, size).t2d[np.asarray(held_answers)].mean()
+        assert drafted == pytest.approx(held_coverage[size - 1])
     with pytest.raises(jaxspec.InvalidRequestError, match="not both"):
         train.TrainConfig(draft_vocab_size=256, draft_vocab_coverage=0.9)
     with pytest.raises(jaxspec.InvalidRequestError, match="draft_vocab_coverage must be in"):
         train.TrainConfig(draft_vocab_coverage=1.5)
+
+
+def test_a_training_run_sizes_its_draft_vocabulary_on_the_validation_answers():
+    """A run's head setup (train() passes it the validation rows) measures coverage on the
+    validation answers (text the ranking never saw), not on the training rows, whose every
+    token the ranking already holds; without answers to measure it falls back to those."""
+    import dataclasses
+    import types
+
+    from train_fixtures import TOY
+
+    from jaxspec.train.run import _head_setup
+
+    target = types.SimpleNamespace(config=dataclasses.replace(TOY, vocab_size=1024))
+    fit = train.pack([train.Example(tokens=(1, 2, *[i for i in range(300) for _ in range(3)]), prompt_length=2)], 1002)
+    val = train.pack([train.Example(tokens=(1, 2, *range(150), *range(600, 680)), prompt_length=2)], 1002)
+    cfg = train.TrainConfig(draft_vocab_coverage=0.9)
+    # In-sample 0.9 is 270 of the 300 ids (512); on val it is 207 of 230 tokens: 57 of the
+    # unseen ids, ranked 600-656 (768).
+    assert len(_head_setup(target, fit, cfg)[2].target_ids) == 512
+    assert len(_head_setup(target, fit, cfg, val)[2].target_ids) == 768
+    no_answers = train.Dataset(val.tokens, val.prompt_lengths.copy(), val.prompt_lengths)  # prompts only
+    assert len(_head_setup(target, fit, cfg, no_answers)[2].target_ids) == 512
 
 
 def test_rows_the_data_holds_out_are_the_validation_rows(tmp_path):

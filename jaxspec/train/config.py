@@ -43,7 +43,8 @@ class TrainConfig:
     cache_features: bool = True  # the target runs once per row into a FeatureCache, not once per step
     draft_vocab_size: int | None = None  # EAGLE-3; None = the target's vocabulary (or by coverage)
     # EAGLE-3: the smallest draft vocabulary (a multiple of 256) whose tokens make up at least this
-    # fraction of the training answers' tokens (data.draft_vocab_size_for); instead of a size.
+    # fraction of the validation answers' tokens (the training answers' without validation rows;
+    # data.draft_vocab_size_for); instead of a size.
     draft_vocab_coverage: float | None = None
     aux_layer_ids: tuple[int, ...] | None = None  # EAGLE-3; None = eagle3_config_for's default
     mtp_block_from_last_layer: bool = True  # MTP: the block starts as the target's last layer (else random)

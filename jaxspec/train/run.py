@@ -117,13 +117,16 @@ class TrainResult:
     head_path: pathlib.Path | None  # where the head was written (None until the run is complete)
 
 
-def _head_setup(target: Model, train_data: Dataset, cfg: TrainConfig):
-    """(head config, hidden layers read, draft vocabulary) for this target and data."""
+def _head_setup(target: Model, train_data: Dataset, cfg: TrainConfig, val_data: Dataset | None = None):
+    """(head config, hidden layers read, draft vocabulary) for this target and data. A vocabulary
+    sized by coverage is measured on the validation rows when they hold answers (text the
+    ranking has not seen; on the training rows themselves coverage is overstated)."""
     vocab_size = target.config.vocab_size
     if cfg.method is Method.EAGLE3:
         size = cfg.draft_vocab_size or vocab_size
         if cfg.draft_vocab_coverage is not None:
-            size = draft_vocab_size_for(train_data, vocab_size, cfg.draft_vocab_coverage)
+            held_out = val_data if val_data is not None and val_data.assistant_tokens().any() else None
+            size = draft_vocab_size_for(train_data, vocab_size, cfg.draft_vocab_coverage, measured_on=held_out)
         vocab = draft_vocab(train_data, vocab_size, size)
         head_cfg = eagle3_config_for(target.config, len(vocab.target_ids), cfg.aux_layer_ids)
         return head_cfg, eagle3.target_hidden_layers(head_cfg.aux_layer_ids), vocab
@@ -169,7 +172,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_rows, val_rows = split_rows(data, cfg.val_fraction, cfg.seed)
-    head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg)
+    head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg, data.subset(val_rows))
     spec = StepSpec(train=cfg, target_cfg=target.config, head_cfg=head_cfg, hidden_layers=hidden_layers)
     frozen = {"embed": target.params.embed,
               "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
