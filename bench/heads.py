@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head", action="append", default=None, metavar="NAME=PATH",
                         help="a head to measure (repeat; default v1=eagle3-smollm2-135m)")
     parser.add_argument("--prompts", type=int, default=3, help="prompts per group")
+    parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=GROUPS,
+                        help="Spec-Bench groups to run (default all six)")
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 6], help="chain draft lengths")
     parser.add_argument("--tree", nargs="*", default=["4,8,16"], help="draft-tree shapes D,K,N")
     parser.add_argument("--timing-prompts", type=int, default=3, help="MT-bench prompts timed at batch 1 (0: none)")
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     settings += [("tree", shape, dict(tree=shape)) for shape in args.tree]
 
     rows = []  # (head, setting, {group: (first-draft acceptance, tau)})
-    for group in GROUPS:
+    groups = list(args.groups)
+    for group in groups:
         prompts = [p.text for p in picked[group]]
         plain = jaxspec.generate(model, None, prompts, chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True)
         for name, head in heads.items():
@@ -134,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
              "", "| head | trained on |", "|---|---|"]
     lines += [f"| {name} ({path}) | {head_data(path)} |" for name, path in specs]
     lines += ["", "First-draft acceptance / tau per group:", "",
-              "| head | drafts | " + " | ".join(GROUPS) + " | mean |", "|---|---|" + "---:|" * (len(GROUPS) + 1)]
+              "| head | drafts | " + " | ".join(groups) + " | mean |", "|---|---|" + "---:|" * (len(groups) + 1)]
     for (name, setting), by_group in rows:
-        cells = [f"{by_group[g][0]:.2f} / {by_group[g][1]:.2f}" for g in GROUPS]
-        mean = (np.mean([by_group[g][0] for g in GROUPS]), np.mean([by_group[g][1] for g in GROUPS]))
+        cells = [f"{by_group[g][0]:.2f} / {by_group[g][1]:.2f}" for g in groups]
+        mean = (np.mean([by_group[g][0] for g in groups]), np.mean([by_group[g][1] for g in groups]))
         lines.append(f"| {name} | {setting} | " + " | ".join(cells) + f" | {mean[0]:.2f} / {mean[1]:.2f} |")
     if speed is not None:
         lines += ["", f"Wall-clock on {args.timing_prompts} MT-bench prompts, batch 1, chain k = {args.timing_k} "
