@@ -55,8 +55,8 @@ def head_data(path: str) -> str:
     if not data_file.is_file():
         return "-"
     data = Dataset.load(data_file)
-    train_rows = int(len(data) - (data.held_out.sum() if data.held_out is not None else 0))
-    return f"{train_rows:,} rows, {int(data.assistant_tokens().sum()):,} assistant tokens"
+    training = np.ones(len(data), bool) if data.held_out is None else ~data.held_out  # what it trained on
+    return f"{int(training.sum()):,} rows, {int(data.assistant_tokens()[training].sum()):,} assistant tokens"
 
 
 def run_group(model, head, prompts: list[str], plain_tokens, **options) -> jaxspec.SpecStats:
