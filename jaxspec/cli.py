@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the feature cache's directory (default OUT/features); runs on the same data may share it")
     head.add_argument("--head-dtype", choices=("float32", "bfloat16"), default="float32",
                       help="the written head's weights (bfloat16: half the bytes)")
+    head.add_argument("--init-from", default=None, metavar="HEAD",
+                      help="start from this head (a name or directory, e.g. an earlier run's --out) instead of "
+                           "random weights; an EAGLE-3 head's lm_head rows carry over by target token")
     head.add_argument("--val-fraction", type=float, default=0.05)
     head.add_argument("--eval-every", type=int, default=100)
     head.add_argument("--save-every", type=int, default=200)
@@ -342,7 +345,7 @@ def _train_head(args) -> None:
         cache_features=not (args.no_feature_cache or args.soft_labels),
         draft_vocab_size=args.draft_vocab_size, draft_vocab_coverage=args.draft_vocab_coverage,
         mtp_block_from_last_layer=not args.mtp_random_block, bucket_width=args.bucket_width,
-        val_fraction=args.val_fraction, eval_every=args.eval_every,
+        init_from=args.init_from, val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed)
     result, stats = train.train_head(args.model, args.out, config, prompts=prompts, data=data, seq_len=args.seq_len,
                                      max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,

@@ -8,6 +8,8 @@ training itself).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -49,6 +51,9 @@ def test_cli_train_head_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "--prompts and --data both" in capsys.readouterr().err
     assert cli.main(["train-head", "--out", str(tmp_path / "o"), "--data", str(tmp_path / "none.npz")]) == 2
     assert "not a readable training data file" in capsys.readouterr().err
+    assert cli.main(["train-head", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o"),
+                     "--init-from", str(tmp_path)]) == 2  # named before the target loads
+    assert f"init_from {tmp_path}: {tmp_path} is not a checkpoint directory" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------
@@ -99,6 +104,57 @@ def test_resume_continues_the_same_run(toy, eagle3_run, tmp_path):
                                [h["loss"] for h in uninterrupted.history[25:]], rtol=1e-4, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  resumed.head.params, uninterrupted.head.params)
+
+
+def test_a_run_can_start_from_a_trained_head(toy, eagle3_run, tmp_path):
+    """init_from: the trained head is the new run's start, so its first loss (the warmup's first
+    step moves nothing) is a trained head's, not a fresh one's; the compiled step is shared."""
+    target, _, _, data = toy
+    first, first_dir = eagle3_run
+    cfg = dataclasses.replace(EAGLE3_RUN, init_from=str(first_dir))
+    started = train.train(target, data, tmp_path / "started", cfg, stop_after=1, progress=False)
+    fresh = train.train(target, data, tmp_path / "fresh", EAGLE3_RUN, stop_after=1, progress=False)
+    assert fresh.history[0]["loss"] == pytest.approx(first.history[0]["loss"], rel=1e-6)
+    assert started.history[0]["loss"] < 0.1 * first.history[0]["loss"], (started.history, first.history[0])
+    assert started.history[0]["top1"] > 0.8
+    assert train.saved_run(tmp_path / "started")[0].init_from == str(first_dir)  # recorded, checked on resume
+
+
+def test_starting_from_a_head_carries_its_rows_by_target_token(toy, eagle3_run, tmp_path):
+    """A draft vocabulary of another size takes the head's lm_head row for each token they share
+    and a fresh row for each token the head never drafted; every other param is the head's."""
+    target, _, _, data = toy
+    _, first_dir = eagle3_run
+    source = jaxspec.load(str(first_dir))
+    source_params = layers.unfuse_projections(source.params)
+    source_ids = np.arange(96) + np.asarray(source_params.d2t)
+    for size in (64, 128):
+        vocab = train.draft_vocab(data, target.config.vocab_size, size)
+        head_cfg = train.eagle3_config_for(target.config, size)
+        fresh = train.init_head(train.Method.EAGLE3, head_cfg, target, vocab, seed=1)
+        params, carried = train.start_from(train.Method.EAGLE3, head_cfg, fresh, vocab, source)
+        shared = np.isin(vocab.target_ids, source_ids)
+        assert carried == shared.sum() == min(size, 96)
+        for row, token in enumerate(vocab.target_ids):
+            expected = (source_params.lm_head[int(np.flatnonzero(source_ids == token)[0])] if shared[row]
+                        else fresh.lm_head[row])
+            np.testing.assert_array_equal(params.lm_head[row], expected)
+        np.testing.assert_array_equal(params.d2t, fresh.d2t)
+        np.testing.assert_array_equal(params.fc, source_params.fc)
+        np.testing.assert_array_equal(params.attention.q_proj, source_params.attention.q_proj)
+
+    vocab = train.draft_vocab(data, target.config.vocab_size, 96)
+    head_cfg = train.eagle3_config_for(target.config, 96)
+    fresh = train.init_head(train.Method.EAGLE3, head_cfg, target, vocab, seed=0)
+    other_aux = dataclasses.replace(head_cfg, aux_layer_ids=tuple(reversed(head_cfg.aux_layer_ids)))
+    with pytest.raises(jaxspec.InvalidRequestError, match=r"does not fit this run's head: aux_layer_ids"):
+        train.start_from(train.Method.EAGLE3, other_aux, fresh, vocab, source)
+    with pytest.raises(jaxspec.InvalidRequestError, match="cannot start an mtp run"):
+        train.start_from(train.Method.MTP, train.mtp_config_for(target.config), fresh, vocab, source)
+    with pytest.raises(jaxspec.InvalidRequestError, match="init_from .* is not a checkpoint directory"):
+        train.load_start_head(str(tmp_path))
+    with pytest.raises(jaxspec.InvalidRequestError, match="init_from must be"):
+        train.TrainConfig(init_from="")
 
 
 def test_train_head_reuses_distilled_data_and_a_shared_feature_cache(toy, eagle3_run, tmp_path):

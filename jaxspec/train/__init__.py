@@ -68,7 +68,15 @@ from jaxspec.train.corpus import (
     synthesize_user_prompts,
 )
 from jaxspec.train.features import FEATURE_META, FeatureCache, cache_features, target_batch, target_source
-from jaxspec.train.heads import Frozen, HeadParams, eagle3_config_for, init_head, mtp_config_for, trainable_params
+from jaxspec.train.heads import (
+    Frozen,
+    HeadParams,
+    eagle3_config_for,
+    init_head,
+    mtp_config_for,
+    start_from,
+    trainable_params,
+)
 from jaxspec.train.objective import evaluate, summarise, train_step
 from jaxspec.train.run import (
     CHECKPOINT_DIR,
@@ -77,6 +85,7 @@ from jaxspec.train.run import (
     MTP_HEAD_DIR,
     RUN_FILE,
     TrainResult,
+    load_start_head,
     measure_tau,
     saved_run,
     train,
@@ -89,8 +98,8 @@ __all__ = [
     "CHECKPOINT_DIR", "DATA_FILE", "FEATURE_DIR", "FEATURE_META", "MTP_HEAD_DIR", "RUN_FILE",
     "BatchOrder", "Dataset", "DraftVocab", "Example", "FeatureCache", "Frozen", "HeadParams", "Method", "StepSpec",
     "TrainConfig", "TrainResult", "batch_indices", "bucket_widths", "cache_features", "answer_token_coverage", "draft_token_ranking", "draft_vocab", "draft_vocab_size_for", "eagle3_config_for", "length_batches",
-    "evaluate", "init_head", "loss_mask", "measure_tau", "mtp_config_for", "optimizer", "pack", "read_prompts_jsonl",
-    "response_mask", "saved_run", "self_distill", "self_instruct_examples", "split", "split_rows", "summarise",
+    "evaluate", "init_head", "load_start_head", "loss_mask", "measure_tau", "mtp_config_for", "optimizer", "pack", "read_prompts_jsonl",
+    "response_mask", "saved_run", "self_distill", "start_from", "self_instruct_examples", "split", "split_rows", "summarise",
     "target_batch", "target_source", "tokenize_prompts", "train", "train_head", "train_step",
     "trainable_params",
 ]

@@ -52,6 +52,11 @@ class TrainConfig:
     # (data.BatchOrder): a short conversation in a long window costs its own length, not the
     # window's. 0: every batch the full window. Each width compiles its own step.
     bucket_width: int = 256
+    # A head to start from instead of random weights (a name or directory `jaxspec.load` reads:
+    # a finished run's head, the shipped one): continued training on more data, or a new schedule
+    # over the same. Its config must match the run's but for an EAGLE-3 draft vocabulary, whose
+    # lm_head rows carry over by target token (heads.start_from). Not part of the compiled step.
+    init_from: str | None = None
     val_fraction: float = 0.05
     eval_every: int = 100
     save_every: int = 200
@@ -90,6 +95,8 @@ class TrainConfig:
             raise InvalidRequestError(
                 "soft_labels needs the target's whole distribution at every step, which the feature cache "
                 "does not keep: set cache_features=False (--no-feature-cache) with soft labels")
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise InvalidRequestError(f"init_from must be a head's name or directory; got {self.init_from!r}")
         vocab = self.draft_vocab_size
         if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
             raise InvalidRequestError(f"draft_vocab_size must be an integer >= 1; got {self.draft_vocab_size!r}")

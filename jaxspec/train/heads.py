@@ -94,6 +94,40 @@ def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: 
     return jax.tree.map(jnp.asarray, params)
 
 
+def start_from(method: Method, head_cfg, fresh: HeadParams, vocab: DraftVocab, source: Model) -> tuple[HeadParams, int]:
+    """The run's initial params taken from an existing head (`source`, as `jaxspec.load` gives
+    it), and how many of the draft vocabulary's lm_head rows it supplied.
+
+    The head must have the run's config: an MTP head exactly; an EAGLE-3 head all but its draft
+    vocabulary, which may differ (a larger corpus ranks its tokens differently). Its lm_head rows
+    then carry over by the target token they draft; a token new to the vocabulary keeps its row
+    of `fresh`, as a new run would start it. Anything else raises InvalidRequestError naming the
+    difference, before any step is traced."""
+    kind = {Method.EAGLE3: eagle3.Eagle3Config, Method.MTP: mtp.MtpConfig}[method]
+    if not isinstance(source.config, kind):
+        raise InvalidRequestError(f"init_from {source.source}: a {type(source.config).__name__} head cannot start "
+                                  f"an {method.value} run (it needs a {kind.__name__} head)")
+    theirs = source.config
+    if method is Method.EAGLE3:
+        theirs = dataclasses.replace(theirs, draft_vocab_size=head_cfg.draft_vocab_size)
+    if theirs != head_cfg:
+        ours, other = dataclasses.asdict(head_cfg), dataclasses.asdict(theirs)
+        differ = [f"{name} {other[name]} (the run: {ours[name]})" for name in ours if ours[name] != other[name]]
+        raise InvalidRequestError(f"init_from {source.source} does not fit this run's head: {'; '.join(differ)}")
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) if x.dtype.kind == "f" else x,
+                          layers.unfuse_projections(source.params))
+    if method is Method.MTP:
+        return params, head_cfg.block.vocab_size
+    their_ids = np.arange(source.config.draft_vocab_size) + np.asarray(params.d2t)  # each row's target token
+    row_of = np.full(head_cfg.vocab_size, -1, np.int64)
+    row_of[their_ids] = np.arange(len(their_ids))
+    rows = row_of[vocab.target_ids]  # [Vd]: the source's row for each of the run's draft tokens, -1 none
+    carried = rows >= 0
+    lm_head = np.where(carried[:, None], np.asarray(params.lm_head)[np.maximum(rows, 0)], np.asarray(fresh.lm_head))
+    params = dataclasses.replace(params, lm_head=jnp.asarray(lm_head, jnp.float32), d2t=fresh.d2t)
+    return params, int(carried.sum())
+
+
 def trainable_params(params: HeadParams) -> HeadParams:
     """The optimised params: all but the EAGLE-3 d2t table (integer, fixed by the data), which
     is None in the trainable copy (the head's forward never reads it)."""

@@ -53,7 +53,14 @@ from jaxspec.train.data import (
     tokenize_prompts,
 )
 from jaxspec.train.features import target_source
-from jaxspec.train.heads import HeadParams, eagle3_config_for, init_head, mtp_config_for, trainable_params
+from jaxspec.train.heads import (
+    HeadParams,
+    eagle3_config_for,
+    init_head,
+    mtp_config_for,
+    start_from,
+    trainable_params,
+)
 from jaxspec.train.objective import evaluate, summarise, train_step
 
 DATA_FILE = "train_data.npz"
@@ -146,6 +153,22 @@ def _check_head_dtype(head_dtype: str) -> None:
         raise InvalidRequestError(f"head_dtype must be one of {sorted(_HEAD_DTYPES)}; got {head_dtype!r}")
 
 
+def load_start_head(name: str) -> Model:
+    """The head `TrainConfig.init_from` names (a shipped head's name or a head directory), or
+    InvalidRequestError: a run starts from a draft head, never from a target model."""
+    from jaxspec import api
+
+    try:
+        path = checkpoints.resolve_model(name)
+        head = api._load_head_dir(path)
+    except CheckpointError as err:
+        raise InvalidRequestError(f"init_from {name}: {err}") from None
+    if head is None:
+        raise InvalidRequestError(f"init_from {name}: {path} is not a draft head directory (an EAGLE-3 head's "
+                                  "config.json + model.safetensors, or a trained MTP head)")
+    return head
+
+
 def _run_record(cfg: TrainConfig, data: Dataset, target: Model) -> dict[str, Any]:
     return {"train_config": cfg.to_dict(), "data": data.fingerprint(), "target_config": repr(target.config)}
 
@@ -173,7 +196,8 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     out_dir.mkdir(parents=True, exist_ok=True)
     train_rows, val_rows = split_rows(data, cfg.val_fraction, cfg.seed)
     head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg, data.subset(val_rows))
-    spec = StepSpec(train=cfg, target_cfg=target.config, head_cfg=head_cfg, hidden_layers=hidden_layers)
+    # Where the params start is no part of the compiled step: runs that differ only there share it.
+    spec = StepSpec(train=dataclasses.replace(cfg, init_from=None), target_cfg=target.config, head_cfg=head_cfg, hidden_layers=hidden_layers)
     frozen = {"embed": target.params.embed,
               "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
               "target_to_draft": jnp.asarray(vocab.target_to_draft)}
@@ -182,6 +206,10 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
 
     initial = init_head(cfg.method, head_cfg, target, vocab, cfg.seed,
                         mtp_block_from_last_layer=cfg.mtp_block_from_last_layer)
+    if cfg.init_from is not None:
+        initial, carried = start_from(cfg.method, head_cfg, initial, vocab, load_start_head(cfg.init_from))
+        if progress:
+            print(f"jaxspec: starting from {cfg.init_from} ({carried} of {len(vocab.target_ids)} lm_head rows carried)")
     params = trainable_params(initial)
     opt_state = jax.jit(optimizer(cfg).init)(params)
     record = _run_record(cfg, data, target)
@@ -300,6 +328,8 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
     if resume:
         cfg, data = saved_run(out_dir)
     cfg = cfg or TrainConfig()
+    if cfg.init_from is not None and not resume:
+        load_start_head(cfg.init_from)  # a bad head is named before the target loads
     target = model if isinstance(model, Model) else _load_target(model, progress)
     if data is not None:
         if int(data.tokens.max(initial=0)) >= target.config.vocab_size:
