@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import pathlib
 import platform
 import statistics
@@ -57,6 +58,32 @@ def head_data(path: str) -> str:
     data = Dataset.load(data_file)
     training = np.ones(len(data), bool) if data.held_out is None else ~data.held_out  # what it trained on
     return f"{int(training.sum()):,} rows, {int(data.assistant_tokens()[training].sum()):,} assistant tokens"
+
+
+def head_training(path: str) -> str:
+    """How a head directory was trained, from its train_run.json: steps of a batch, TTT depth,
+    and the head it started from (followed back), with the passes over its data all told; "-"
+    for a head without one (the shipped head: see its model card)."""
+    run_file = pathlib.Path(path) / "train_run.json"
+    if not run_file.is_file():
+        return "-"
+    cfg = json.loads(run_file.read_text(encoding="utf-8"))["train_config"]
+    text = f"{cfg['steps']} steps of {cfg['batch_size']}, TTT {cfg['ttt_steps']}, peak lr {cfg['learning_rate']:g}"
+    rows_seen = cfg["steps"] * cfg["batch_size"]
+    start = cfg.get("init_from")
+    while start is not None and (pathlib.Path(start) / "train_run.json").is_file():
+        earlier = json.loads((pathlib.Path(start) / "train_run.json").read_text(encoding="utf-8"))["train_config"]
+        text += f"; from {start} ({earlier['steps']} steps of {earlier['batch_size']})"
+        rows_seen += earlier["steps"] * earlier["batch_size"]
+        start = earlier.get("init_from")
+    if start is not None:
+        text += f"; from {start}"
+    data_file = pathlib.Path(path) / "train_data.npz"
+    if data_file.is_file():
+        data = Dataset.load(data_file)
+        training = len(data) if data.held_out is None else int((~data.held_out).sum())
+        text += f": {rows_seen / max(training, 1):.1f} passes over its rows"
+    return text
 
 
 def run_group(model, head, prompts: list[str], plain_tokens, **options) -> jaxspec.SpecStats:
@@ -134,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [title, "",
              f"{datetime.date.today()}, {platform.machine()}, jax {jax.__version__}, SmolLM2-135M-Instruct ({args.weight_format} weights), {args.prompts} prompts per group (first turns), "
              f"{NEW_TOKENS} greedy tokens, batch = the group's prompts; every output equal to plain greedy.",
-             "", "| head | trained on |", "|---|---|"]
-    lines += [f"| {name} ({path}) | {head_data(path)} |" for name, path in specs]
+             "", "| head | trained on | training |", "|---|---|---|"]
+    lines += [f"| {name} ({path}) | {head_data(path)} | {head_training(path)} |" for name, path in specs]
     lines += ["", "First-draft acceptance / tau per group:", "",
               "| head | drafts | " + " | ".join(groups) + " | mean |", "|---|---|" + "---:|" * (len(groups) + 1)]
     for (name, setting), by_group in rows:
