@@ -207,6 +207,13 @@ def test_mtp_head_trains_and_round_trips(toy, tmp_path):
     assert head.config == result.head.config and head.config.block.num_layers == 1
     jax.tree.map(np.testing.assert_array_equal, head.params, result.head.params)
     assert jaxspec.load_mtp(str(result.head_path)).config == head.config  # what --method mtp --draft DIR reads
+    # A later run can start from it: its params exactly, q/k/v and gate/up as training keeps them.
+    vocab_size = target.config.vocab_size
+    identity = train.DraftVocab(target_ids=np.arange(vocab_size), d2t=np.zeros(vocab_size, np.int64),
+                                t2d=np.ones(vocab_size, bool))
+    fresh = train.init_head(train.Method.MTP, head.config, target, identity, seed=1)
+    started, _ = train.start_from(train.Method.MTP, head.config, fresh, identity, head)
+    jax.tree.map(np.testing.assert_array_equal, started, train.trainable_params(layers.unfuse_projections(result.head.params)))
     # A damaged head names what is wrong.
     from safetensors.numpy import load_file, save_file
 

@@ -98,8 +98,8 @@ __all__ = [
     "CHECKPOINT_DIR", "DATA_FILE", "FEATURE_DIR", "FEATURE_META", "MTP_HEAD_DIR", "RUN_FILE",
     "BatchOrder", "Dataset", "DraftVocab", "Example", "FeatureCache", "Frozen", "HeadParams", "Method", "StepSpec",
     "TrainConfig", "TrainResult", "batch_indices", "bucket_widths", "cache_features", "answer_token_coverage", "draft_token_ranking", "draft_vocab", "draft_vocab_size_for", "eagle3_config_for", "length_batches",
-    "evaluate", "init_head", "load_start_head", "loss_mask", "measure_tau", "mtp_config_for", "optimizer", "pack", "read_prompts_jsonl",
-    "response_mask", "saved_run", "self_distill", "start_from", "self_instruct_examples", "split", "split_rows", "summarise",
-    "target_batch", "target_source", "tokenize_prompts", "train", "train_head", "train_step",
+    "evaluate", "init_head", "load_start_head", "loss_mask", "measure_tau", "mtp_config_for", "optimizer", "pack",
+    "read_prompts_jsonl", "response_mask", "saved_run", "self_distill", "self_instruct_examples", "start_from",
+    "split", "split_rows", "summarise", "target_batch", "target_source", "tokenize_prompts", "train", "train_head", "train_step",
     "trainable_params",
 ]

@@ -197,7 +197,8 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     train_rows, val_rows = split_rows(data, cfg.val_fraction, cfg.seed)
     head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg, data.subset(val_rows))
     # Where the params start is no part of the compiled step: runs that differ only there share it.
-    spec = StepSpec(train=dataclasses.replace(cfg, init_from=None), target_cfg=target.config, head_cfg=head_cfg, hidden_layers=hidden_layers)
+    spec = StepSpec(train=dataclasses.replace(cfg, init_from=None), target_cfg=target.config, head_cfg=head_cfg,
+                    hidden_layers=hidden_layers)
     frozen = {"embed": target.params.embed,
               "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
               "target_to_draft": jnp.asarray(vocab.target_to_draft)}
@@ -206,7 +207,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
 
     initial = init_head(cfg.method, head_cfg, target, vocab, cfg.seed,
                         mtp_block_from_last_layer=cfg.mtp_block_from_last_layer)
-    if cfg.init_from is not None:
+    if cfg.init_from is not None and not resume:  # a resumed run's params come from its checkpoint
         initial, carried = start_from(cfg.method, head_cfg, initial, vocab, load_start_head(cfg.init_from))
         if progress:
             print(f"jaxspec: starting from {cfg.init_from} ({carried} of {len(vocab.target_ids)} lm_head rows carried)")
