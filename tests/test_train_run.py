@@ -60,6 +60,21 @@ def test_cli_train_head_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 # EAGLE-3: training, the written head, resume
 # ------------------------------------------------------------------------------------------
 
+def test_top1_agreement_is_the_argmax_drafting_the_targets_token():
+    """The training metric's one-max test agrees with an argmax wherever the maximum is unique;
+    a label outside the draft vocabulary never agrees; an exact tie counts (documented)."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 32, 50)).astype(np.float32)  # [B, T, Vd]
+    labels = rng.integers(-1, 50, size=(4, 32)).astype(np.int32)
+    labels[:, ::3] = np.argmax(logits, axis=-1)[:, ::3]  # some rows agree
+    expected = (labels >= 0) & (np.argmax(logits, axis=-1) == labels)
+    got = np.asarray(train.agrees_with_target(logits, labels))
+    np.testing.assert_array_equal(got, expected)
+    assert 0 < expected.sum() < expected.size
+    tied = np.zeros((1, 1, 4), np.float32)
+    assert np.asarray(train.agrees_with_target(tied, np.array([[3]], np.int32))).all()
+
+
 def test_training_lowers_the_loss_and_learns_the_targets_rule(eagle3_run):
     result, _ = eagle3_run
     first, last = result.history[0], result.history[-1]

@@ -77,7 +77,7 @@ from jaxspec.train.heads import (
     start_from,
     trainable_params,
 )
-from jaxspec.train.objective import evaluate, summarise, train_step
+from jaxspec.train.objective import agrees_with_target, evaluate, summarise, train_step
 from jaxspec.train.run import (
     CHECKPOINT_DIR,
     DATA_FILE,
@@ -93,7 +93,7 @@ from jaxspec.train.run import (
 )
 
 __all__ = [
-    "CorpusPlan", "PackedCorpus", "Synthesis", "build_corpus", "corpus_status", "deduplicate", "drop_near",
+    "agrees_with_target", "CorpusPlan", "PackedCorpus", "Synthesis", "build_corpus", "corpus_status", "deduplicate", "drop_near",
     "held_out_split", "math_prompts", "spec_bench_questions", "synthesize_follow_ups", "synthesize_user_prompts",
     "CHECKPOINT_DIR", "DATA_FILE", "FEATURE_DIR", "FEATURE_META", "MTP_HEAD_DIR", "RUN_FILE",
     "BatchOrder", "Dataset", "DraftVocab", "Example", "FeatureCache", "Frozen", "HeadParams", "Method", "StepSpec",

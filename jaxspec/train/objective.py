@@ -59,6 +59,18 @@ def _head_step(spec: StepSpec, params: HeadParams, frozen: Frozen, tokens: jax.A
     return logits, g_next
 
 
+def agrees_with_target(logits: jax.Array, label_draft: jax.Array) -> jax.Array:
+    """bool[B, T]: the head's greedy draft is the target's token. logits [B, T, Vd]; label_draft
+    int32[B, T], the target's token as a draft id (-1: outside the draft vocabulary, never agrees).
+
+    The label's logit against the largest: one max over the draft vocabulary, where an argmax is
+    a paired value-index reduction that cost XLA CPU ~9% of a training step (1.8 s of ~20 s at
+    2,048 positions, TTT 7, 7,168 draft tokens). An exact tie with another logit counts as
+    agreement, where an argmax would pick the lower id."""
+    label_logit = jnp.take_along_axis(logits, jnp.maximum(label_draft, 0)[..., None], axis=-1)[..., 0]
+    return (label_draft >= 0) & (label_logit >= jnp.max(logits, axis=-1))
+
+
 def _loss_terms(params: HeadParams, frozen: Frozen, targets: dict[str, Any], spec: StepSpec) -> dict[str, jax.Array]:
     """Per unrolled step j: summed cross-entropy and its position count, and top-1 agreement with
     the target (correct, out of all response positions the step can reach). All float32[J].
@@ -71,12 +83,11 @@ def _loss_terms(params: HeadParams, frozen: Frozen, targets: dict[str, Any], spe
     tokens_in = _shift_left(tokens)  # [B, T]
     label_target = _shift_left(targets["labels"])  # [B, T]
     responds = _shift_left(targets["loss_mask"])  # bool[B, T]
-    draft_ids = frozen["draft_ids"]  # int32[Vd]: each draft id's target id
+    label_draft = jnp.take(frozen["target_to_draft"], label_target)  # [B, T]; -1: not draftable
     if spec.train.soft_labels:
         label_probs = _shift_left(targets["label_probs"])  # [B, T, Vd]
         trainable = responds
     else:
-        label_draft = jnp.take(frozen["target_to_draft"], label_target)  # [B, T]; -1: not draftable
         trainable = responds & (label_draft >= 0)
 
     if spec.train.method is Method.EAGLE3:
@@ -95,10 +106,9 @@ def _loss_terms(params: HeadParams, frozen: Frozen, targets: dict[str, Any], spe
             ce = optax.softmax_cross_entropy(logits, label_probs)
         else:
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(label_draft, 0))
-        drafted = jnp.take(draft_ids, jnp.argmax(logits, axis=-1))  # [B, T] target ids
         scored = responds & reachable
         terms = {"ce_sum": jnp.sum(jnp.where(mask, ce, 0.0)), "count": jnp.sum(mask).astype(jnp.float32),
-                 "correct": jnp.sum((drafted == label_target) & scored).astype(jnp.float32),
+                 "correct": jnp.sum(agrees_with_target(logits, label_draft) & scored).astype(jnp.float32),
                  "scored": jnp.sum(scored).astype(jnp.float32)}
         # The next depth reads the head's own output one position back (as drafting chains it).
         g = jnp.concatenate([jnp.zeros_like(g_next[:, :1]), g_next[:, :-1]], axis=1)
