@@ -50,13 +50,22 @@ from jaxspec.train.data import Dataset
 NEW_TOKENS = 128
 
 
-def head_data(path: str) -> str:
-    """The training data a head directory carries: "N rows, M assistant tokens" (or "-")."""
+def training_rows(path: str) -> tuple[Dataset, np.ndarray] | None:
+    """The data a head directory carries (train_data.npz) and bool[rows]: the rows it trained on
+    (not its held-out ones); None for a head without one."""
     data_file = pathlib.Path(path) / "train_data.npz"
     if not data_file.is_file():
-        return "-"
+        return None
     data = Dataset.load(data_file)
-    training = np.ones(len(data), bool) if data.held_out is None else ~data.held_out  # what it trained on
+    return data, np.ones(len(data), bool) if data.held_out is None else ~data.held_out
+
+
+def head_data(path: str) -> str:
+    """The training data a head directory carries: "N rows, M assistant tokens" (or "-")."""
+    carried = training_rows(path)
+    if carried is None:
+        return "-"
+    data, training = carried
     return f"{int(training.sum()):,} rows, {int(data.assistant_tokens()[training].sum()):,} assistant tokens"
 
 
@@ -78,11 +87,9 @@ def head_training(path: str) -> str:
         start = earlier.get("init_from")
     if start is not None:
         text += f"; from {start}"
-    data_file = pathlib.Path(path) / "train_data.npz"
-    if data_file.is_file():
-        data = Dataset.load(data_file)
-        training = len(data) if data.held_out is None else int((~data.held_out).sum())
-        text += f": {rows_seen / max(training, 1):.1f} passes over its rows"
+    carried = training_rows(path)
+    if carried is not None:
+        text += f": {rows_seen / max(int(carried[1].sum()), 1):.1f} passes over its rows"
     return text
 
 

@@ -93,13 +93,13 @@ from jaxspec.train.run import (
 )
 
 __all__ = [
-    "agrees_with_target", "CorpusPlan", "PackedCorpus", "Synthesis", "build_corpus", "corpus_status", "deduplicate", "drop_near",
+    "CorpusPlan", "PackedCorpus", "Synthesis", "build_corpus", "corpus_status", "deduplicate", "drop_near",
     "held_out_split", "math_prompts", "spec_bench_questions", "synthesize_follow_ups", "synthesize_user_prompts",
     "CHECKPOINT_DIR", "DATA_FILE", "FEATURE_DIR", "FEATURE_META", "MTP_HEAD_DIR", "RUN_FILE",
     "BatchOrder", "Dataset", "DraftVocab", "Example", "FeatureCache", "Frozen", "HeadParams", "Method", "StepSpec",
     "TrainConfig", "TrainResult", "batch_indices", "bucket_widths", "cache_features", "answer_token_coverage", "draft_token_ranking", "draft_vocab", "draft_vocab_size_for", "eagle3_config_for", "length_batches",
-    "evaluate", "init_head", "load_start_head", "loss_mask", "measure_tau", "mtp_config_for", "optimizer", "pack",
+    "agrees_with_target", "evaluate", "init_head", "load_start_head", "loss_mask", "measure_tau", "mtp_config_for", "optimizer", "pack",
     "read_prompts_jsonl", "response_mask", "saved_run", "self_distill", "self_instruct_examples", "start_from",
-    "split", "split_rows", "summarise", "target_batch", "target_source", "tokenize_prompts", "train", "train_head", "train_step",
-    "trainable_params",
+    "split", "split_rows", "summarise", "target_batch", "target_source", "tokenize_prompts", "train", "train_head",
+    "train_step", "trainable_params",
 ]
