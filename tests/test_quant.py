@@ -88,6 +88,31 @@ def test_bf16_product_rounds_operands_and_accumulates_in_float32():
     np.testing.assert_allclose(got, rounded, rtol=1e-5, atol=1e-5)
 
 
+def _weight_upcast_in_compiled(fn, w, rows) -> bool:
+    """Whether XLA's compiled `fn(w, rows)` holds a float32 copy of the bf16 weight `w`."""
+    text = jax.jit(fn).lower(w, rows).compile().as_text()
+    return f"f32[{w.shape[0]},{w.shape[1]}]" in text
+
+
+def test_bf16_product_after_a_transpose_keeps_bf16_operands():
+    """The feature-major stream is a transpose of the token-major rows, and a norm after it keeps
+    the transposed (column-major) layout; XLA CPU converted a bf16 weight to float32 at every call
+    of a product fed such an operand (quant.matmul's comment), which made bf16 forwards 2x slower
+    than float32. The product must reach XLA with operands it runs in bf16."""
+    w = jnp.asarray(RNG.standard_normal((48, 32)), jnp.bfloat16)  # [O, I]
+    rows = jnp.asarray(RNG.standard_normal((8, 32)), jnp.float32)  # [N, I]: token-major
+    control = lambda w, x: jax.lax.dot_general(w, x.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
+                                               preferred_element_type=jnp.float32)
+    if _weight_upcast_in_compiled(control, w, rows.T.copy()):  # a row-major operand, made outside
+        pytest.skip("this XLA build runs no bf16 product in bf16 (no bf16 dot library)")
+    normed = lambda x: x * jax.lax.rsqrt(jnp.mean(x * x, axis=0, keepdims=True) + 1e-6)
+    assert _weight_upcast_in_compiled(lambda w, r: control(w, normed(r.T)), w, rows), \
+        "the plain product no longer shows the upcast: the test no longer covers the layout"
+    assert not _weight_upcast_in_compiled(lambda w, r: quant.matmul(w, normed(r.T)), w, rows)
+    got = jax.jit(lambda w, r: quant.matmul(w, normed(r.T)))(w, rows)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(control(w, normed(rows.T))), rtol=1e-6, atol=1e-6)
+
+
 def test_int8_embedding_gathers_scaled_rows():
     table = quant.quantize_rows(RNG.standard_normal((20, 8)).astype(np.float32))
     tokens = jnp.asarray([3, 0, 19, 3])

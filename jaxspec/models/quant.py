@@ -10,7 +10,12 @@ embedding tables). Norm weights, biases and recurrent-state params stay float32 
 The formats:
 - "f32": float32 weights, float32 products (the reference).
 - "bf16": bfloat16 weights; activations cast to bfloat16 at the product, accumulated in float32.
-  Half the bytes; the GPU default. XLA CPU has no fast bf16 product, so it is not the CPU default.
+  Half the bytes; the GPU default. On XLA CPU the product runs in YNNPACK's bf16 kernel (AMX or
+  AVX512-BF16 where the CPU has them) only if its operands reach XLA in row-major layout; see
+  `matmul` for how that is kept. At 2..9 tokens a bf16 forward of the default model then takes
+  about 0.5-0.6 of float32's time and is nearly flat in T (bench/tcost.py); a one-column bf16
+  product falls back to a float32 matrix-vector one, which is one reason decode forwards over
+  bf16 weights are padded to TOKEN_LANES tokens (below).
 - "int8": per-output-row symmetric int8 (scale = max|row| / 127), stored rotated: the input axis
   goes through an orthonormal block Walsh-Hadamard transform H (blocks of 64, or the largest
   power of two dividing the input width), so the weight holds W H and the product rotates its
@@ -180,8 +185,19 @@ def matmul(w: Weight, x: jax.Array) -> jax.Array:
 
         return w8a16_matmul(w.values, w.scales, hadamard(x, axis=0))
     if w.dtype == jnp.bfloat16:
-        return jax.lax.dot_general(w, x.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+        # XLA CPU keeps a bf16 dot in bf16 (YNNPACK) only if, when its OperandUpcaster pass runs,
+        # both operands have a row-major layout; any other dot is rewritten to convert the bf16
+        # weight to float32 on every call. The feature-major stream is born of a transpose (the
+        # embedding rows [B*T, D] turned into [D, B*T]), and XLA gives a transpose, and everything
+        # elementwise after it (the norms), the column-major layout that makes it free: so the
+        # products after a norm (fused q/k/v, gate/up, the LM head) used to run in float32 at
+        # more than twice the time. A reshape's result is laid out row-major: the unit axis
+        # [I, 1, N] is that reshape, and layout assignment later pays the (small) activation
+        # transpose instead of the weight's conversion. Same values, same float32 accumulation.
+        columns = x.astype(jnp.bfloat16)[:, None, :]  # [I, 1, N]
+        out = jax.lax.dot_general(w, columns, (((1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)  # [O, 1, N]
+        return out.reshape(w.shape[0], x.shape[1])
     return w @ x
 
 
