@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--init-from", default=None, metavar="HEAD",
                       help="start from this head (a name or directory, e.g. an earlier run's --out) instead of "
                            "random weights; an EAGLE-3 head's lm_head rows carry over by target token")
+    head.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="the head's products while training (bfloat16: bf16 products forward and backward, "
+                           "float32 master weights and accumulation; 1.2x faster EAGLE-3 steps on an AMX CPU)")
     head.add_argument("--val-fraction", type=float, default=0.05)
     head.add_argument("--eval-every", type=int, default=100)
     head.add_argument("--save-every", type=int, default=200)
@@ -345,8 +348,8 @@ def _train_head(args) -> None:
         cache_features=not (args.no_feature_cache or args.soft_labels),
         draft_vocab_size=args.draft_vocab_size, draft_vocab_coverage=args.draft_vocab_coverage,
         mtp_block_from_last_layer=not args.mtp_random_block, bucket_width=args.bucket_width,
-        init_from=args.init_from, val_fraction=args.val_fraction, eval_every=args.eval_every,
-        save_every=args.save_every, seed=args.seed)
+        init_from=args.init_from, compute_dtype=args.compute_dtype, val_fraction=args.val_fraction,
+        eval_every=args.eval_every, save_every=args.save_every, seed=args.seed)
     result, stats = train.train_head(args.model, args.out, config, prompts=prompts, data=data, seq_len=args.seq_len,
                                      max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
                                      num_passage_prompts=args.num_passage_prompts,

@@ -4,6 +4,7 @@ params-tree conversion and the fused projections, on tiny random models."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import chex
 import jax
@@ -111,6 +112,41 @@ def test_bf16_product_after_a_transpose_keeps_bf16_operands():
     assert not _weight_upcast_in_compiled(lambda w, r: quant.matmul(w, normed(r.T)), w, rows)
     got = jax.jit(lambda w, r: quant.matmul(w, normed(r.T)))(w, rows)
     np.testing.assert_allclose(np.asarray(got), np.asarray(control(w, normed(rows.T))), rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_product_gradient_is_bf16_products_of_the_float32_gradient():
+    """quant.matmul's bf16 gradient (a custom VJP: both backward products in bf16, the cotangent
+    rounded at the product) against float32 autodiff of the same bf16-rounded operands, in the
+    shape of a training step: the activation arrives transposed, the output leaves transposed
+    (eagle3.encode), and the weight is a float32 master cast inside. Also runs the compiled
+    gradient, which is what fails when XLA turns a bf16 dot into a form no CPU kernel has."""
+    w = jnp.asarray(RNG.standard_normal((48, 32)) * 0.1, jnp.float32)  # [O, I]
+    rows = jnp.asarray(RNG.standard_normal((16, 32)), jnp.float32)  # [N, I]
+    probe = jnp.asarray(RNG.standard_normal((16, 48)), jnp.float32)  # [N, O]
+
+    def loss(w, rows, product):
+        out = product(w.astype(jnp.bfloat16), jnp.tanh(rows).T).T  # [N, O]
+        return jnp.sum(jnp.sin(out) * probe)
+
+    rounded = lambda w, x: jnp.asarray(w, jnp.float32) @ x.astype(jnp.bfloat16).astype(jnp.float32)
+    grad = jax.jit(jax.grad(lambda w, r: loss(w, r, quant.matmul), argnums=(0, 1)))
+    want = jax.grad(lambda w, r: loss(w, r, rounded), argnums=(0, 1))(w, rows)
+    got = grad(w, rows)
+    for g, ref in zip(got, want):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=2e-2, atol=2e-2 * float(jnp.abs(ref).max()))
+    assert _bf16_dots(grad.lower(w, rows).compile().as_text()) == 3  # forward, dW, dx
+
+
+def _bf16_dots(hlo: str) -> int:
+    """How many dots of a compiled program multiply two bf16 operands."""
+    operand_types = {}
+    for name, dtype in re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo):
+        operand_types[name] = dtype
+    for name, dtype in re.findall(r"(%[\w.\-]+): (\w+)\[", hlo):  # computation parameters
+        operand_types[name] = dtype
+    dots = re.findall(r" dot\((%[\w.\-]+), (%[\w.\-]+)\)", hlo)
+    return sum(operand_types.get(a) == operand_types.get(b) == "bf16" for a, b in dots)
 
 
 def test_int8_embedding_gathers_scaled_rows():

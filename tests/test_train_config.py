@@ -11,7 +11,8 @@ from jaxspec import train
 
 def test_train_config_rejects_bad_settings():
     for bad, message in [({"batch_size": 0}, "batch_size must be"), ({"learning_rate": -1.0}, "learning_rate must be"),
-                         ({"step_decay": 1.5}, "step_decay must be"), ({"method": "medusa"}, "medusa")]:
+                         ({"step_decay": 1.5}, "step_decay must be"), ({"method": "medusa"}, "medusa"),
+                         ({"compute_dtype": "float16"}, "compute_dtype must be")]:
         with pytest.raises((jaxspec.InvalidRequestError, ValueError), match=message):
             train.TrainConfig(**bad)
     with pytest.raises(jaxspec.InvalidRequestError, match="soft_labels needs"):

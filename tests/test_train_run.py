@@ -85,6 +85,20 @@ def test_training_lowers_the_loss_and_learns_the_targets_rule(eagle3_run):
     assert all(t > 0.6 for t in result.validation["top1_by_step"])  # deeper unrolled drafts too
 
 
+def test_bfloat16_products_train_the_same_head(toy, eagle3_run, tmp_path):
+    """compute_dtype="bfloat16": the head's products (forward and backward) in bf16 on float32
+    master weights. Its first loss is the float32 run's to bf16 rounding (same init, same batch),
+    and it learns the target's rule as the float32 run does."""
+    target, _, _, data = toy
+    first, _ = eagle3_run
+    cfg = dataclasses.replace(EAGLE3_RUN, compute_dtype="bfloat16")
+    result = train.train(target, data, tmp_path / "bf16", cfg, progress=False)
+    assert result.history[0]["loss"] == pytest.approx(first.history[0]["loss"], rel=2e-2)
+    assert result.history[-1]["loss"] < 0.05 * result.history[0]["loss"], (result.history[0], result.history[-1])
+    assert result.validation["top1"] > 0.8
+    assert train.saved_run(tmp_path / "bf16")[0].compute_dtype == "bfloat16"
+
+
 def test_written_head_loads_and_drafts_exactly_with_high_acceptance(toy, eagle3_run):
     target, prompts, examples, _ = toy
     result, out = eagle3_run

@@ -185,20 +185,65 @@ def matmul(w: Weight, x: jax.Array) -> jax.Array:
 
         return w8a16_matmul(w.values, w.scales, hadamard(x, axis=0))
     if w.dtype == jnp.bfloat16:
-        # XLA CPU keeps a bf16 dot in bf16 (YNNPACK) only if, when its OperandUpcaster pass runs,
-        # both operands have a row-major layout; any other dot is rewritten to convert the bf16
-        # weight to float32 on every call. The feature-major stream is born of a transpose (the
-        # embedding rows [B*T, D] turned into [D, B*T]), and XLA gives a transpose, and everything
-        # elementwise after it (the norms), the column-major layout that makes it free: so the
-        # products after a norm (fused q/k/v, gate/up, the LM head) used to run in float32 at
-        # more than twice the time. A reshape's result is laid out row-major: the unit axis
-        # [I, 1, N] is that reshape, and layout assignment later pays the (small) activation
-        # transpose instead of the weight's conversion. Same values, same float32 accumulation.
-        columns = x.astype(jnp.bfloat16)[:, None, :]  # [I, 1, N]
-        out = jax.lax.dot_general(w, columns, (((1,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)  # [O, 1, N]
-        return out.reshape(w.shape[0], x.shape[1])
+        return _bf16_matmul(w, x.astype(jnp.bfloat16))
     return w @ x
+
+
+def _bf16_product(w: jax.Array, x: jax.Array) -> jax.Array:
+    """bfloat16 w [O, I] @ bfloat16 x [I, N], accumulated in float32 -> float32 [O, N].
+
+    XLA CPU keeps a bf16 dot in bf16 (YNNPACK's kernel; AMX or AVX512-BF16 where the CPU has
+    them) only if, when its OperandUpcaster pass runs, both operands have a row-major layout;
+    any other dot is rewritten to convert both operands to float32 on every call. The
+    feature-major stream is born of a transpose (the embedding rows [B*T, D] turned into
+    [D, B*T]), and XLA gives a transpose, and everything elementwise after it (the norms), the
+    column-major layout that makes it free: so the products after a norm (fused q/k/v, gate/up,
+    the LM head) ran in float32 at more than twice the time. A reshape's result is laid out
+    row-major: the activation goes through one (a unit axis, [I, 1, N]), and layout assignment
+    later pays the (small) transposed copy where one is needed instead of the weight's
+    conversion. Same values, same float32 accumulation. The weight, a parameter, is row-major.
+    """
+    out = jax.lax.dot_general(w, x[:, None, :], (((1,), (0,)), ((), ())),
+                              preferred_element_type=jnp.float32)  # [O, 1, N]
+    return out.reshape(w.shape[0], x.shape[1])
+
+
+def _bf16_gradient_product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """bfloat16 a [M, K] @ bfloat16 b [K, N] -> float32 [M, N] for the backward pass, whose
+    operands are transposes (of the weight, of the activation). Beyond `_bf16_product`'s unit
+    axis, both operands pass an optimization barrier: without it XLA folds a transposed left
+    operand back into the dot as a contraction over its major axis, a form YNNPACK does not
+    take, after the point where it could still convert it to float32; and XLA CPU's own dot has
+    no bf16 kernel, so the program fails when run ("Unsupported element type for DotThunk")."""
+    a, b3 = jax.lax.optimization_barrier((a, b[:, None, :]))  # [M, K], [K, 1, N]
+    out = jax.lax.dot_general(a, b3, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return out.reshape(a.shape[0], b.shape[1])
+
+
+@jax.custom_vjp
+def _bf16_matmul(w: jax.Array, x: jax.Array) -> jax.Array:
+    """bfloat16 w [O, I] @ bfloat16 x [I, N] -> float32 [O, N], differentiable with bf16 products.
+
+    Its gradient keeps both backward products in bfloat16 as well, the float32 cotangent cast at
+    the product (as mixed-precision training does): left to autodiff, the float32 cotangent would
+    promote dW and dx, two thirds of a training step's work, to float32 products.
+    """
+    return _bf16_product(w, x)
+
+
+def _bf16_matmul_forward(w: jax.Array, x: jax.Array):
+    return _bf16_product(w, x), (w, x)
+
+
+def _bf16_matmul_backward(saved, dy: jax.Array):  # dy float32 [O, N]
+    w, x = saved
+    dy = dy.astype(jnp.bfloat16)
+    dw = _bf16_gradient_product(dy, x.T)  # [O, I]
+    dx = _bf16_gradient_product(w.T, dy)  # [I, N]
+    return dw.astype(jnp.bfloat16), dx.astype(jnp.bfloat16)
+
+
+_bf16_matmul.defvjp(_bf16_matmul_forward, _bf16_matmul_backward)
 
 
 def embedding_rows(table: Weight, tokens: jax.Array) -> jax.Array:

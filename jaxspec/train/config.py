@@ -20,6 +20,9 @@ import optax
 from jaxspec.errors import InvalidRequestError
 
 
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
 class Method(enum.Enum):
     EAGLE3 = "eagle3"
     MTP = "mtp"
@@ -57,6 +60,12 @@ class TrainConfig:
     # over the same. Its config must match the run's but for an EAGLE-3 draft vocabulary, whose
     # lm_head rows carry over by target token (heads.start_from). Not part of the compiled step.
     init_from: str | None = None
+    # The head's products (objective.in_compute_dtype): "float32", or "bfloat16" (weights and
+    # activations cast at each product, float32 accumulation, master params and optimizer state
+    # float32; the backward products bfloat16 as well). On an AMX CPU a product's gradient runs
+    # 1.8-2.4x float32's rate at training sizes, a whole EAGLE-3 step (TTT 7, 8 rows of 768
+    # tokens) 1.2x: the attention, softmax and the copies around the products stay float32.
+    compute_dtype: str = "float32"
     val_fraction: float = 0.05
     eval_every: int = 100
     save_every: int = 200
@@ -97,6 +106,8 @@ class TrainConfig:
                 "does not keep: set cache_features=False (--no-feature-cache) with soft labels")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
             raise InvalidRequestError(f"init_from must be a head's name or directory; got {self.init_from!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise InvalidRequestError(f"compute_dtype must be one of {list(COMPUTE_DTYPES)}; got {self.compute_dtype!r}")
         vocab = self.draft_vocab_size
         if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
             raise InvalidRequestError(f"draft_vocab_size must be an integer >= 1; got {self.draft_vocab_size!r}")
@@ -115,6 +126,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        """The settings a dict records; a setting it lacks (a run saved before the setting
+        existed) takes its default, which is what that run used."""
         return cls(**data)
 
 

@@ -71,10 +71,28 @@ def agrees_with_target(logits: jax.Array, label_draft: jax.Array) -> jax.Array:
     return (label_draft >= 0) & (label_logit >= jnp.max(logits, axis=-1))
 
 
+def in_compute_dtype(params: HeadParams, frozen: Frozen, compute_dtype: str) -> tuple[HeadParams, Frozen]:
+    """The weights a step multiplies by, in the run's compute dtype: with "bfloat16" the head's
+    matrices and MTP's frozen lm_head (the products; quant.matmul then casts activations at each
+    product and accumulates in float32, forward and backward). Norm weights (1-D) stay float32,
+    and so do the activations between products, the logits and the loss. The cast is inside the
+    differentiated function, so the gradient reaches the float32 master params."""
+    if compute_dtype == "float32":
+        return params, frozen
+
+    def cast(leaf):
+        floating = leaf is not None and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 2
+        return leaf.astype(jnp.bfloat16) if floating else leaf
+
+    frozen = {**frozen, "lm_head": jax.tree.map(cast, frozen["lm_head"])} if "lm_head" in frozen else frozen
+    return jax.tree.map(cast, params), frozen
+
+
 def _loss_terms(params: HeadParams, frozen: Frozen, targets: dict[str, Any], spec: StepSpec) -> dict[str, jax.Array]:
     """Per unrolled step j: summed cross-entropy and its position count, and top-1 agreement with
     the target (correct, out of all response positions the step can reach). All float32[J].
     `targets` is `target_batch`'s output."""
+    params, frozen = in_compute_dtype(params, frozen, spec.train.compute_dtype)
     tokens = targets["tokens"]  # int32[B, T]
     seq_len = tokens.shape[1]
     features = targets["features"]

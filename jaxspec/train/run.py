@@ -225,7 +225,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
             raise InvalidRequestError(f"nothing to resume: {out_dir} holds no training checkpoint")
         if start:
             saved = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
-            ours, theirs = record["train_config"], saved["train_config"]
+            ours, theirs = record["train_config"], TrainConfig.from_dict(saved["train_config"]).to_dict()
             changed = sorted(name for name in ours if theirs.get(name) != ours[name])
             if changed or saved["data"] != record["data"] or saved["target_config"] != record["target_config"]:
                 what = f"settings {changed}" if changed else "data or target"
