@@ -224,6 +224,17 @@ def test_eagle3_speculation_equals_plain_greedy(target, head, k):
     assert single.tokens[0] == plain.tokens[2]
 
 
+def test_eagle3_speculation_under_bf16_weights_equals_plain_greedy(target, head):
+    """bf16 weights: the head loaded in "auto" runs in its target's format, so every product of
+    the trunk and the head, the fc whose output leaves transposed included, is a bf16 product
+    (quant._bf16_product); forwards padded to TOKEN_LANES keep a step and a verify alike."""
+    bf16 = jaxspec.convert_weights(target, "bf16")
+    plain = jaxspec.generate(bf16, None, PROMPTS, max_new_tokens=24, ignore_eos=True)
+    spec = jaxspec.generate(bf16, head, PROMPTS, max_new_tokens=24, ignore_eos=True, num_draft_tokens=3)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.method == "eagle3" and spec.stats.proposed == 3 * spec.stats.rounds
+
+
 def test_eagle3_head_state_tracks_the_committed_sequence(target, head):
     """The persistent draft KV must equal a from-scratch absorb of the same committed sequence:
     after generation, re-absorbing (feature p, token p + 1) for the whole sequence gives the same

@@ -184,7 +184,7 @@ def test_auto_is_f32_on_cpu_and_bf16_on_gpu():
     assert WeightFormat.INT8.resolve("gpu") is WeightFormat.INT8
 
 
-@pytest.mark.parametrize("fmt", ["f32", "int8"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8"])
 def test_fused_projections_compute_what_separate_ones_do(fmt):
     """One q/k/v and one gate/up product per layer: the same logits (int8: bitwise, since its
     rows and tokens are quantized alike either way), and unfuse gives back the checkpoint's."""
@@ -213,11 +213,12 @@ def _step_and_verify_logits(model, prompt, continuation):
     return {t: np.asarray(step(model.params, jnp.asarray([continuation[:t]]), cache)) for t in (1, 5, len(continuation))}
 
 
-def test_int8_logits_are_bitwise_the_same_in_a_step_and_inside_a_verify():
-    """A position's logits under int8 weights do not depend on how many tokens the forward
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_logits_are_bitwise_the_same_in_a_step_and_inside_a_verify(fmt):
+    """A position's logits under int8 or bf16 weights do not depend on how many tokens the forward
     carries (one, two, or a k+1 = 8 token verify), once padded to TOKEN_LANES as the loop does."""
     model = jaxspec.convert_weights(jaxspec.Model(config=TINY, params=llama.init_params(TINY, jax.random.PRNGKey(0),
-                                                                                       scale=0.2)), "int8")
+                                                                                       scale=0.2)), fmt)
     logits = _step_and_verify_logits(model, [5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47])
     for t in (1, 5):
         np.testing.assert_array_equal(logits[t], logits[8][:, :t])

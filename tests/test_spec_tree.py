@@ -176,7 +176,8 @@ def tiny32():
     ("f32", "q8_0", "auto"),
     ("f32", ("q8_0", "q5_1"), "interpret"),
     ("int8", None, "auto"),
-], ids=["f32-q8_0", "f32-q8_0,q5_1-interpret", "int8"])
+    ("bf16", None, "auto"),
+], ids=["f32-q8_0", "f32-q8_0,q5_1-interpret", "int8", "bf16"])
 def test_quantized_kv_and_weights_keep_tree_greedy_exact(tiny32, weights, kv_format, attention):
     """The verify writes quantized K/V for every node and the accepted path's are gathered into
     place; the Pallas kernel (interpreted) reads the tree mask; int8 weights pad the verify with
@@ -187,7 +188,8 @@ def test_quantized_kv_and_weights_keep_tree_greedy_exact(tiny32, weights, kv_for
     tree node's last-bit attention differences can flip an activation's rounding, so exactness is
     not guaranteed there (docs/design.md; the default model diverges, bench/RESULTS.md); on this
     2-layer model the flips stay below the argmax margins, so the int8 case checks the filler
-    mechanics (a wrong logit index or a filler seen by a node breaks it) with the same assertion."""
+    mechanics (a wrong logit index or a filler seen by a node breaks it) with the same assertion;
+    bf16 likewise, its products in bf16 (quant._bf16_product)."""
     model = jaxspec.convert_weights(tiny32, weights)
     options = dict(max_new_tokens=NEW_TOKENS, ignore_eos=True, kv_format=kv_format, attention=attention)
     reference = jaxspec.generate(model, None, PROMPTS, **options)
