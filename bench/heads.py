@@ -93,11 +93,19 @@ def head_training(path: str) -> str:
     return text
 
 
-def run_group(model, head, prompts: list[str], plain_tokens, **options) -> jaxspec.SpecStats:
+def run_group(model, head, prompts: list[str], plain_tokens, divergences: list[str], exact: bool,
+              **options) -> jaxspec.SpecStats:
+    """Speculative greedy over `prompts` in one batch, checked against plain greedy. Where greedy
+    is exact (float32 weights, or a chain) a difference is a bug and ends the run; a tree under
+    int8 or bf16 weights is exact only up to rounding flips (docs/design.md: a node reads its
+    ancestors from other slots than a plain step), so there its first divergence is recorded."""
     result = jaxspec.generate(model, head, prompts, chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True, **options)
     for row, (ours, theirs) in enumerate(zip(result.tokens, plain_tokens)):
         if list(ours) != list(theirs):
-            sys.exit(f"speculative output differs from plain greedy (row {row}, {options}): a bug")
+            if exact:
+                sys.exit(f"speculative output differs from plain greedy (row {row}, {options}): a bug")
+            first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            divergences.append(f"{options}, row {row}: from token {first}")
     return result.stats
 
 
@@ -145,13 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     settings += [("tree", shape, dict(tree=shape)) for shape in args.tree]
 
     rows = []  # (head, setting, {group: (first-draft acceptance, tau)})
+    divergences = []  # trees under int8 / bf16 weights that left plain greedy (run_group)
     groups = list(args.groups)
     for group in groups:
         prompts = [p.text for p in picked[group]]
         plain = jaxspec.generate(model, None, prompts, chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True)
         for name, head in heads.items():
             for kind, value, options in settings:
-                stats = run_group(model, head, prompts, plain.tokens, **options)
+                exact = args.weight_format == "f32" or kind == "chain"
+                stats = run_group(model, head, prompts, plain.tokens, divergences, exact, **options)
                 key = (name, f"{kind} {value}")
                 entry = next((r for r in rows if r[0] == key), None)
                 if entry is None:
@@ -167,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         f" --weight-format {args.weight_format})" if args.weight_format != "f32" else ")")
     lines = [title, "",
              f"{datetime.date.today()}, {platform.machine()}, jax {jax.__version__}, SmolLM2-135M-Instruct ({args.weight_format} weights), {args.prompts} prompts per group (first turns), "
-             f"{NEW_TOKENS} greedy tokens, batch = the group's prompts; every output equal to plain greedy.",
+             f"{NEW_TOKENS} greedy tokens, batch = the group's prompts; " + (
+                 "every output equal to plain greedy." if not divergences else
+                 "every chain's output equal to plain greedy; trees under these weights are exact only up to "
+                 "rounding flips, and left it in " + f"{len(divergences)} rows (" + "; ".join(divergences) + ")."),
              "", "| head | trained on | training |", "|---|---|---|"]
     lines += [f"| {name} ({path}) | {head_data(path)} | {head_training(path)} |" for name, path in specs]
     lines += ["", "First-draft acceptance / tau per group:", "",
