@@ -30,12 +30,18 @@ else
   python -c 'import jax; print("device:", jax.devices()[0].device_kind)'
 fi
 
+# Every step runs even when one before it fails (the first H200 run stopped at the tests and
+# lost its timings); the script's status is the first failure's.
+status=0
+step() { "$@" || { rc=$?; echo "gpu_check: step failed (exit $rc): $*" >&2; [[ $status != 0 ]] || status=$rc; }; }
+
 echo "== kernel tests ($mode: $([[ $mode == cpu ]] && echo 'Pallas interpreter' || echo 'native Triton'))"
-python -m pytest -q -p no:cacheprovider tests/test_flash_decode.py tests/test_kv_quant.py \
+step python -m pytest -q -p no:cacheprovider tests/test_flash_decode.py tests/test_kv_quant.py \
   tests/test_int8_matmul.py
 
 echo "== decode kernel vs XLA reference"
-python bench/kv_formats.py timing "${timing_args[@]}"
+step python bench/kv_formats.py timing "${timing_args[@]}"
 
 echo "== W8A16 matmul kernel vs XLA reference"
-python bench/int8_matmul.py "${timing_args[@]}"
+step python bench/int8_matmul.py "${timing_args[@]}"
+exit $status

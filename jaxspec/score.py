@@ -68,8 +68,10 @@ def score_chunk(params, cache, tokens: jax.Array, next_tokens: jax.Array, *, cfg
     return picked, cache.advance(jnp.full((batch,), steps, jnp.int32))
 
 
-# cfg is static (hashable); the cache is donated: each chunk's cache replaces the last.
-score_chunk_jit = jax.jit(score_chunk, static_argnames=("cfg",), donate_argnames=("cache",))
+# cfg is static (hashable); the cache is donated: each chunk's cache replaces the last. Full
+# float32 products, as generation's (jaxspec.compilation, Numerics).
+score_chunk_jit = jax.jit(compilation.full_precision_products(score_chunk), static_argnames=("cfg",),
+                          donate_argnames=("cache",))
 
 
 def _power_of_two_at_least(n: int, minimum: int) -> int:

@@ -62,6 +62,11 @@ def pytest_configure(config):
     # directory): serializing an XLA:CPU executable has aborted a suite worker outright, taking
     # its module's compiled fixtures with it. The CLI tests' subprocesses inherit the setting.
     os.environ.setdefault(compilation.XLA_CACHE_ENV, compilation.XLA_CACHE_OFF)
+    # On a GPU, the references the tests compute outside the engine's programs (a forward called
+    # directly, a kernel's XLA twin) in full float32 too: the default there is TF32, which failed
+    # 14 kernel and cache checks on an H200 by 1e-3 where "highest" passed all.
+    if compilation.pins_full_precision():
+        jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.fixture(scope="module")

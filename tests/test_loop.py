@@ -128,3 +128,48 @@ def test_eos_inside_accepted_drafts_ends_the_row_there(tiny_model, free_running)
     assert result.tokens == reference.tokens
     assert result.finish_reason == reference.finish_reason
     assert result.tokens[0][-1] == stop and len(result.tokens[0]) == free_running[0].index(stop) + 1
+
+
+def _dot_precisions(program_text: str) -> list[str]:
+    """The `precision = [...]` of every dot_general in a lowered program's StableHLO."""
+    dots = [line for line in program_text.splitlines() if "stablehlo.dot_general" in line]
+    return [line.split("precision = ")[1].split("]")[0] + "]" if "precision = " in line else "(none)"
+            for line in dots]
+
+
+def test_every_engine_program_traces_float32_products_at_full_precision_on_a_gpu(tiny_model, monkeypatch):
+    """On a GPU XLA's default float32 product is TF32, which rounds a T = 1 step and a T = k + 1
+    verify differently (on an H200 speculative greedy left plain greedy); the engine's programs
+    pin full precision there themselves, whatever the caller's setting (jaxspec.compilation).
+    On CPU they are left as they were. The GPU's choice is forced here and lowered for CPU."""
+    import importlib
+
+    from jaxspec import compilation
+
+    score = importlib.import_module("jaxspec.score")  # the module, not jaxspec.score the function
+    prepared = jaxspec.prepare(tiny_model, PROMPTS, tiny_model, max_new_tokens=4, ignore_eos=True,
+                               num_draft_tokens=2)
+    args = (tiny_model.params, prepared.speculation.draft_inputs(tiny_model))
+
+    def lowered_programs():
+        jax.clear_caches()  # jit's trace cache does not key on the backend check
+        state = jax.eval_shape(lambda: loop.prefill_jit(*args, prepared.request, spec=prepared.spec))
+        return {
+            "prefill": loop.prefill_jit.lower(*args, prepared.request, spec=prepared.spec),
+            "decode": loop.decode_jit.lower(*args, state, prepared.request, spec=prepared.spec),
+            "stream_step": loop.stream_step_jit.lower(*args, state, prepared.request, spec=prepared.spec),
+            "score": score.score_chunk_jit.lower(tiny_model.params, KVCache.create(TINY, 1, 8),
+                                                 jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32),
+                                                 cfg=TINY),
+        }
+
+    with jax.default_matmul_precision("default"):  # the caller's context asks for the GPU default
+        on_cpu = lowered_programs()
+        monkeypatch.setattr(compilation, "pins_full_precision", lambda: True)
+        on_gpu = lowered_programs()
+    monkeypatch.undo()
+    jax.clear_caches()  # later tests trace their CPU programs afresh
+    for name in on_gpu:
+        pinned = _dot_precisions(on_gpu[name].as_text())
+        assert pinned and set(pinned) == {"[HIGHEST, HIGHEST]"}, (name, sorted(set(pinned)))
+        assert set(_dot_precisions(on_cpu[name].as_text())) == {"[DEFAULT, DEFAULT]"}, name

@@ -42,6 +42,9 @@ from jaxspec.pallas import kv_quant
 from jaxspec.pallas.kv_quant import BLOCK, Format, Packed
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
+# The reference's and the kernel's products in full float32 (on a GPU the default is TF32, which
+# moved the reference 1e-3 from the kernel on an H200; on CPU it is the same program).
+_FULL = jax.lax.Precision.HIGHEST
 _GPU_MIN_ROWS = 16  # Triton's dot needs at least 16 rows
 _WORD_BITS = 32  # window slots per packed tree-mask word (int32)
 # A program holds one (row, kv head)'s G*T queries as one tile: decode and verify sizes. A
@@ -175,16 +178,16 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
         # its minor axis H slowly; computed cache-major, with a barrier that keeps that layout,
         # a whole B = 64 int8 decode step over 768 slots runs 2.2x faster, over 384 1.3x, a
         # B = 8 verify 1.1x, batch 1 1.02-1.07x (bench/attention.py).
-        scores = jax.lax.optimization_barrier(jnp.einsum("BKSH,BKQH->BKSQ", keys, queries * scale))
+        scores = jax.lax.optimization_barrier(jnp.einsum("BKSH,BKQH->BKSQ", keys, queries * scale, precision=_FULL))
         scores = jnp.swapaxes(scores, -1, -2)  # [B, K, Q, S]
     else:
-        scores = jnp.einsum("BKQH,BKSH->BKQS", queries * scale, keys)
+        scores = jnp.einsum("BKQH,BKSH->BKQS", queries * scale, keys, precision=_FULL)
     visible = mask_visible(mask, lengths, steps, jnp.arange(capacity), window=window,
                            query_positions=query_positions)  # [B, T, S]
     visible = jnp.tile(visible, (1, group, 1))  # [B, G*T, S]: rows (g, t)
     scores = jnp.where(visible[:, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values)
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values, precision=_FULL)
     return _ungrouped(out, steps)
 
 
@@ -212,7 +215,7 @@ def _load_block(refs, fmt: Format, slots) -> jax.Array:
 def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
     """a [M, C] against b, contracting b's axis `contract_b`, in full float32 (IEEE on Triton)."""
     return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
-                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+                               precision=_FULL, preferred_element_type=jnp.float32)
 
 
 def flash_decode_kernel(

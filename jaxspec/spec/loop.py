@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import models
+from jaxspec.compilation import full_precision_products
 from jaxspec.cache import Cache, KVFormat
 from jaxspec.config import ModelConfig
 from jaxspec.grammar import DEAD, GrammarTable
@@ -643,7 +644,8 @@ def generated_tokens(state: DecodeState, rows: int) -> list[list[int]]:
 
 # The jitted entry points. `spec` is static (hashable); jit's own cache keeps one program per
 # (spec, argument shapes), and XLA's persistent cache (jaxspec.compilation) keeps it across runs.
-prefill_jit = jax.jit(prefill, static_argnames=("spec",))
-decode_jit = jax.jit(decode, static_argnames=("spec",), donate_argnames=("state",))
-run_jit = jax.jit(run, static_argnames=("spec",))
-stream_step_jit = jax.jit(stream_step, static_argnames=("spec",), donate_argnames=("state",))
+# Each traces with float32 products at full precision (jaxspec.compilation, Numerics).
+prefill_jit = jax.jit(full_precision_products(prefill), static_argnames=("spec",))
+decode_jit = jax.jit(full_precision_products(decode), static_argnames=("spec",), donate_argnames=("state",))
+run_jit = jax.jit(full_precision_products(run), static_argnames=("spec",))
+stream_step_jit = jax.jit(full_precision_products(stream_step), static_argnames=("spec",), donate_argnames=("state",))
