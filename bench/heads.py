@@ -1,4 +1,4 @@
-"""EAGLE-3 heads side by side on Spec-Bench: first-draft acceptance and tau per group, chains and
+"""Draft heads (EAGLE-3 and MTP) side by side on Spec-Bench: first-draft acceptance and tau per group, chains and
 trees, and wall-clock against plain decoding on MT-bench prompts, all in one run.
 
     . .venv/bin/activate && python bench/heads.py                                   # the shipped head
@@ -45,15 +45,25 @@ from results_md import replace_section  # bench/ is on sys.path when a bench scr
 from spec import DEFAULT_QUESTIONS, DEFAULT_RESULTS, GROUPS, TIMING_STOP_TOKEN, pick_prompts
 
 import jaxspec
+from jaxspec.train import DATA_FILE, MTP_HEAD_DIR, RUN_FILE
 from jaxspec.train.data import Dataset
 
 NEW_TOKENS = 128
 
 
+def run_directory(path: str) -> pathlib.Path:
+    """The training run a head came from: an EAGLE-3 head is written into its run's directory,
+    an MTP head into the run's `mtp_head/` (train-head), so its run is the folder above."""
+    head = pathlib.Path(path)
+    if head.name == MTP_HEAD_DIR and (head.parent / RUN_FILE).is_file():
+        return head.parent
+    return head
+
+
 def training_rows(path: str) -> tuple[Dataset, np.ndarray] | None:
-    """The data a head directory carries (train_data.npz) and bool[rows]: the rows it trained on
+    """The data a head's run carries (train_data.npz) and bool[rows]: the rows it trained on
     (not its held-out ones); None for a head without one."""
-    data_file = pathlib.Path(path) / "train_data.npz"
+    data_file = run_directory(path) / DATA_FILE
     if not data_file.is_file():
         return None
     data = Dataset.load(data_file)
@@ -73,15 +83,16 @@ def head_training(path: str) -> str:
     """How a head directory was trained, from its train_run.json: steps of a batch, TTT depth,
     and the head it started from (followed back), with the passes over its data all told; "-"
     for a head without one (the shipped head: see its model card)."""
-    run_file = pathlib.Path(path) / "train_run.json"
+    run_file = run_directory(path) / RUN_FILE
     if not run_file.is_file():
         return "-"
     cfg = json.loads(run_file.read_text(encoding="utf-8"))["train_config"]
-    text = f"{cfg['steps']} steps of {cfg['batch_size']}, TTT {cfg['ttt_steps']}, peak lr {cfg['learning_rate']:g}"
+    text = (f"{cfg.get('method', 'eagle3')}, {cfg['steps']} steps of {cfg['batch_size']}, TTT {cfg['ttt_steps']}, "
+            f"peak lr {cfg['learning_rate']:g}")
     rows_seen = cfg["steps"] * cfg["batch_size"]
     start = cfg.get("init_from")
-    while start is not None and (pathlib.Path(start) / "train_run.json").is_file():
-        earlier = json.loads((pathlib.Path(start) / "train_run.json").read_text(encoding="utf-8"))["train_config"]
+    while start is not None and (run_directory(start) / RUN_FILE).is_file():
+        earlier = json.loads((run_directory(start) / RUN_FILE).read_text(encoding="utf-8"))["train_config"]
         text += f"; from {start} ({earlier['steps']} steps of {earlier['batch_size']})"
         rows_seen += earlier["steps"] * earlier["batch_size"]
         start = earlier.get("init_from")

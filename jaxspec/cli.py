@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--mtp-random-block", action="store_true",
                       help="MTP: start the head's block from random weights, not from the target's last layer")
     head.add_argument("--model", default=api.DEFAULT_MODEL, help="the target: a name, a .gguf file or a directory")
+    head.add_argument("--weight-format", **dict(WEIGHT_FORMAT_FLAG, help=(
+        "the target's weights while training: its features and answers come from this trunk, so train in "
+        "the format the head will serve under (auto: f32 on CPU, bf16 on GPU; int8: W8A8 on CPU)")))
     head.add_argument("--out", required=True,
                       help="the run's directory: checkpoints, data, and the head (EAGLE-3: generate with --draft OUT)")
     head.add_argument("--prompts", default=None,
@@ -165,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--init-from", default=None, metavar="HEAD",
                       help="start from this head (a name or directory, e.g. an earlier run's --out) instead of "
                            "random weights; an EAGLE-3 head's lm_head rows carry over by target token")
+    head.add_argument("--keep-draft-vocab", action="store_true",
+                      help="with --init-from (EAGLE-3): the draft vocabulary holds every token of that head's, then "
+                           "the data's most frequent others up to --draft-vocab-size / --draft-vocab-coverage, so "
+                           "every lm_head row carries over")
     head.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
                       help="the head's products while training (bfloat16: bf16 products forward and backward, "
                            "float32 master weights and accumulation; 1.2x faster EAGLE-3 steps on an AMX CPU)")
@@ -348,13 +355,15 @@ def _train_head(args) -> None:
         cache_features=not (args.no_feature_cache or args.soft_labels),
         draft_vocab_size=args.draft_vocab_size, draft_vocab_coverage=args.draft_vocab_coverage,
         mtp_block_from_last_layer=not args.mtp_random_block, bucket_width=args.bucket_width,
-        init_from=args.init_from, compute_dtype=args.compute_dtype, val_fraction=args.val_fraction,
+        init_from=args.init_from, keep_init_vocab=args.keep_draft_vocab, compute_dtype=args.compute_dtype,
+        val_fraction=args.val_fraction,
         eval_every=args.eval_every, save_every=args.save_every, seed=args.seed)
     result, stats = train.train_head(args.model, args.out, config, prompts=prompts, data=data, seq_len=args.seq_len,
                                      max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
                                      num_passage_prompts=args.num_passage_prompts,
                                      distill_batch_size=args.distill_batch_size, chat=args.chat, resume=args.resume,
-                                     feature_dir=args.feature_cache, head_dtype=args.head_dtype)
+                                     feature_dir=args.feature_cache, head_dtype=args.head_dtype,
+                                     weight_format=args.weight_format)
     summary = f"{result.config.method.value} head: {result.step} steps"
     if result.validation is not None:
         summary += f", validation loss {result.validation['loss']:.3f}, top-1 {result.validation['top1']:.3f}"

@@ -96,6 +96,8 @@ def test_the_draft_vocabulary_can_be_sized_by_the_answers_it_covers():
         assert drafted == pytest.approx(held_coverage[size - 1])
     with pytest.raises(jaxspec.InvalidRequestError, match="not both"):
         train.TrainConfig(draft_vocab_size=256, draft_vocab_coverage=0.9)
+    with pytest.raises(jaxspec.InvalidRequestError, match="keep_init_vocab .* needs method eagle3 and init_from"):
+        train.TrainConfig(keep_init_vocab=True)
     with pytest.raises(jaxspec.InvalidRequestError, match="draft_vocab_coverage must be in"):
         train.TrainConfig(draft_vocab_coverage=1.5)
 
@@ -187,3 +189,31 @@ def test_self_instruct_needs_a_tokenizer(toy):
     target, _, _, _ = toy
     with pytest.raises(jaxspec.InvalidRequestError, match="needs a tokenizer"):
         train.self_instruct_examples(target, 4, 0)
+
+
+def test_a_kept_vocabulary_comes_first_then_the_data_ranking_fills_it():
+    """`first` (a start head's tokens, keep_init_vocab): those ids lead the ranking, in the data's
+    order among themselves, whatever the data thinks of them; the rest follow in the data's order;
+    a size by coverage counts their tokens and never drops one of them."""
+    # 1000 answer tokens over 600 ids: id i (< 300) appears 3 times, id 300 + j (< 100) once.
+    answers = [i for i in range(300) for _ in range(3)] + [300 + j for j in range(100)]
+    data = train.pack([train.Example(tokens=(1, 2, *answers), prompt_length=2)], 1002)
+    kept = np.asarray([599, 350, 5, 598])  # two ids no answer uses, one rare, one common
+    ranking = train.draft_token_ranking(data, 600, first=kept)
+    assert ranking[:4].tolist() == [5, 350, 598, 599]  # by count, then by id (598, 599 unused)
+    plain = train.draft_token_ranking(data, 600)
+    np.testing.assert_array_equal(ranking[4:], plain[~np.isin(plain, kept)])
+    vocab = train.draft_vocab(data, 600, 10, first=kept)
+    assert vocab.target_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 350, 598, 599]  # kept + the top 6 others
+    assert vocab.t2d[kept].all() and vocab.t2d.sum() == 10
+    # Coverage: 0.5 of the answers takes 167 ranked tokens without `first`; with it the kept ids
+    # count their 4 answers (5 three times, 350 once) and the data fills the rest, in 256s.
+    coverage = train.answer_token_coverage(data, 600, first=kept)
+    assert coverage[3] == pytest.approx(0.004)
+    assert train.draft_vocab_size_for(data, 600, 0.5, first=kept) == 256
+    # A kept vocabulary larger than the coverage asks for is kept whole.
+    many = np.arange(300, 600)  # 300 ids: the 100 rare ones and 200 unused
+    assert train.draft_vocab_size_for(data, 600, 0.05, first=many) == 512  # >= 300, rounded up
+    assert train.draft_vocab_size_for(data, 600, 0.05, first=many[:0]) == 256  # none kept: the plain size
+    with pytest.raises(jaxspec.InvalidRequestError, match="ids to rank first"):
+        train.draft_token_ranking(data, 600, first=np.asarray([600]))

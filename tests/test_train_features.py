@@ -3,6 +3,8 @@ FeatureCache, on the successor toy whose every layer passes the token's embeddin
 
 from __future__ import annotations
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -64,6 +66,16 @@ def test_feature_cache_holds_the_targets_half_and_is_built_once(toy, tmp_path):
     np.testing.assert_array_equal(subset.rows(rows, layers[:1])[0], features[:, :1])
     other = train.cache_features(target, data, (TOY.num_layers,), directory, batch_size=8, chunk_rows=16)
     assert other.layers == (TOY.num_layers,) and other.features[0].shape[1] == 1  # rebuilt, not misread
+    # The same config with int8 weights is another trunk: its cache is rebuilt from its own pass.
+    int8 = jaxspec.convert_weights(target, "int8")
+    rebuilt = train.cache_features(int8, data, layers, directory, batch_size=8, chunk_rows=16)
+    assert json.loads((directory / train.FEATURE_META).read_text())["target_weights"] == "int8"
+    fresh8 = train.target_batch(int8.params, TOY, layers, data.batch(rows))
+    features8, labels8 = rebuilt.rows(rows)
+    np.testing.assert_array_equal(labels8, np.where(rows[:, None] < 0, 0, fresh8["labels"]))
+    np.testing.assert_allclose(features8[:, 0], np.where(rows[:, None, None] < 0, 0, fresh8["features"][0]),
+                               rtol=2 ** -11, atol=1e-6)
+    assert np.abs(features8[:, -1].astype(np.float32) - features[:, -1].astype(np.float32)).max() > 1e-3
     with pytest.raises(jaxspec.InvalidRequestError, match="multiple of batch_size"):
         train.cache_features(target, data, layers, directory, batch_size=8, chunk_rows=12)
 

@@ -75,6 +75,7 @@ from jaxspec.train.heads import (
     init_head,
     mtp_config_for,
     start_from,
+    start_vocab,
     trainable_params,
 )
 from jaxspec.train.objective import agrees_with_target, evaluate, summarise, train_step
@@ -99,7 +100,7 @@ __all__ = [
     "BatchOrder", "Dataset", "DraftVocab", "Example", "FeatureCache", "Frozen", "HeadParams", "Method", "StepSpec",
     "TrainConfig", "TrainResult", "batch_indices", "bucket_widths", "cache_features", "answer_token_coverage", "draft_token_ranking", "draft_vocab", "draft_vocab_size_for", "eagle3_config_for", "length_batches",
     "agrees_with_target", "evaluate", "init_head", "load_start_head", "loss_mask", "measure_tau", "mtp_config_for", "optimizer", "pack",
-    "read_prompts_jsonl", "response_mask", "saved_run", "self_distill", "self_instruct_examples", "start_from",
+    "read_prompts_jsonl", "response_mask", "saved_run", "self_distill", "self_instruct_examples", "start_from", "start_vocab",
     "split", "split_rows", "summarise", "target_batch", "target_source", "tokenize_prompts", "train", "train_head",
     "train_step", "trainable_params",
 ]

@@ -60,6 +60,12 @@ class TrainConfig:
     # over the same. Its config must match the run's but for an EAGLE-3 draft vocabulary, whose
     # lm_head rows carry over by target token (heads.start_from). Not part of the compiled step.
     init_from: str | None = None
+    # EAGLE-3 with init_from: the draft vocabulary holds every token of the start head's, then the
+    # data's most frequent others up to draft_vocab_size / draft_vocab_coverage (data.draft_vocab,
+    # `first`), so every lm_head row of the start head carries over; without it the data's ranking
+    # alone picks the vocabulary and rows carry only where the two share a token. Not part of the
+    # compiled step. A resume reads the start head's vocabulary again.
+    keep_init_vocab: bool = False
     # The head's products (objective.in_compute_dtype): "float32", or "bfloat16" (weights and
     # activations cast at each product, float32 accumulation, master params and optimizer state
     # float32; the backward products bfloat16 as well). On an AMX CPU a product's gradient runs
@@ -106,6 +112,9 @@ class TrainConfig:
                 "does not keep: set cache_features=False (--no-feature-cache) with soft labels")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
             raise InvalidRequestError(f"init_from must be a head's name or directory; got {self.init_from!r}")
+        if self.keep_init_vocab and (self.init_from is None or self.method is not Method.EAGLE3):
+            raise InvalidRequestError("keep_init_vocab keeps the draft vocabulary of the EAGLE-3 head a run starts "
+                                      "from: it needs method eagle3 and init_from")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise InvalidRequestError(f"compute_dtype must be one of {list(COMPUTE_DTYPES)}; got {self.compute_dtype!r}")
         vocab = self.draft_vocab_size

@@ -365,50 +365,65 @@ class DraftVocab:
         return lookup
 
 
-def draft_token_ranking(data: Dataset, vocab_size: int) -> np.ndarray:
+def draft_token_ranking(data: Dataset, vocab_size: int, first: np.ndarray | None = None) -> np.ndarray:
     """int64[V]: every target id, in the order a draft vocabulary takes them (`draft_vocab`): the
     most frequent response tokens (what the head will be asked to predict), then prompt tokens,
-    then the unused ids, ties broken by the lower id."""
+    then the unused ids, ties broken by the lower id.
+
+    first: target ids that come before all others, in that same order among themselves: the
+    vocabulary of a head a run starts from (`TrainConfig.keep_init_vocab`), so that a vocabulary
+    at least that large keeps every one of its rows and grows by the data's most frequent others."""
     positions = np.arange(data.seq_len)[None, :]
     in_response = data.assistant_tokens()
     in_prompt = (positions < data.lengths[:, None]) & ~in_response
     response_counts = np.bincount(data.tokens[in_response], minlength=vocab_size)[:vocab_size]
     prompt_counts = np.bincount(data.tokens[in_prompt], minlength=vocab_size)[:vocab_size]
-    # lexsort sorts by the last key first: response count, then prompt count (both descending),
-    # then the id (ascending).
-    return np.lexsort((np.arange(vocab_size), -prompt_counts, -response_counts)).astype(np.int64)
+    kept = np.zeros(vocab_size, bool)
+    if first is not None:
+        first = np.asarray(first, np.int64)
+        if first.ndim != 1 or ((first < 0) | (first >= vocab_size)).any():
+            raise InvalidRequestError(f"the token ids to rank first must be a list of ids in [0, {vocab_size})")
+        kept[first] = True
+    # lexsort sorts by the last key first: kept ids, then response count, then prompt count (both
+    # descending), then the id (ascending).
+    return np.lexsort((np.arange(vocab_size), -prompt_counts, -response_counts, ~kept)).astype(np.int64)
 
 
-def answer_token_coverage(data: Dataset, vocab_size: int, measured_on: Dataset | None = None) -> np.ndarray:
+def answer_token_coverage(data: Dataset, vocab_size: int, measured_on: Dataset | None = None,
+                          first: np.ndarray | None = None) -> np.ndarray:
     """float64[V]: entry n - 1 is the fraction of assistant tokens that a draft vocabulary of the n
     first tokens of `data`'s ranking (`draft_token_ranking`) holds (what the head can ever propose).
 
     measured_on: count the assistant tokens of these rows instead (held-out text). Measured on the
     rows the ranking comes from, coverage overstates what unseen text gets: every token the
     answers use is in the ranking's head (round 0 of the SmolLM2 corpus: 0.99 of its own answer
-    tokens in 5,120 tokens, 0.94 of its held-out rows')."""
+    tokens in 5,120 tokens, 0.94 of its held-out rows'). first: as `draft_token_ranking`."""
     counted = data if measured_on is None else measured_on
     counts = np.bincount(counted.tokens[counted.assistant_tokens()], minlength=vocab_size)[:vocab_size]
     total = max(int(counts.sum()), 1)
-    return np.cumsum(counts[draft_token_ranking(data, vocab_size)]) / total
+    return np.cumsum(counts[draft_token_ranking(data, vocab_size, first)]) / total
 
 
 def draft_vocab_size_for(data: Dataset, vocab_size: int, coverage: float, multiple: int = 256,
-                         measured_on: Dataset | None = None) -> int:
+                         measured_on: Dataset | None = None, first: np.ndarray | None = None) -> int:
     """The smallest draft vocabulary, a multiple of `multiple` (at most the whole vocabulary), whose
     tokens (`data`'s first, by `draft_token_ranking`) cover at least `coverage` of the assistant
-    tokens of `measured_on` (held-out rows; default `data`'s own: see `answer_token_coverage`)."""
-    reached = answer_token_coverage(data, vocab_size, measured_on) >= coverage - 1e-12
+    tokens of `measured_on` (held-out rows; default `data`'s own: see `answer_token_coverage`).
+    first: as `draft_token_ranking`; the size is then never below the count of those ids."""
+    reached = answer_token_coverage(data, vocab_size, measured_on, first) >= coverage - 1e-12
+    if first is not None:
+        reached[: max(np.unique(first).size - 1, 0)] = False  # every kept id stays
     needed = int(np.argmax(reached)) + 1 if reached.any() else vocab_size
     return min(vocab_size, -(-needed // multiple) * multiple)
 
 
-def draft_vocab(data: Dataset, vocab_size: int, draft_vocab_size: int) -> DraftVocab:
-    """The `draft_vocab_size` target tokens the head may draft: the first of `draft_token_ranking`.
-    Draft ids follow target ids in ascending order (d2t >= 0), as in EAGLE-3."""
+def draft_vocab(data: Dataset, vocab_size: int, draft_vocab_size: int, first: np.ndarray | None = None) -> DraftVocab:
+    """The `draft_vocab_size` target tokens the head may draft: the first of `draft_token_ranking`
+    (with `first`: those ids, then the data's most frequent others). Draft ids follow target ids
+    in ascending order (d2t >= 0), as in EAGLE-3."""
     if not isinstance(draft_vocab_size, int) or not 1 <= draft_vocab_size <= vocab_size:
         raise InvalidRequestError(f"draft_vocab_size must be an integer in [1, {vocab_size}]; got {draft_vocab_size!r}")
-    target_ids = np.sort(draft_token_ranking(data, vocab_size)[:draft_vocab_size])
+    target_ids = np.sort(draft_token_ranking(data, vocab_size, first)[:draft_vocab_size])
     t2d = np.zeros(vocab_size, bool)
     t2d[target_ids] = True
     return DraftVocab(target_ids=target_ids, d2t=target_ids - np.arange(draft_vocab_size), t2d=t2d)

@@ -24,16 +24,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import models
+from jaxspec import compilation, models
 from jaxspec.api import Model
 from jaxspec.errors import InvalidRequestError, UnsupportedModelError
+from jaxspec.models import quant
 from jaxspec.train.config import StepSpec
 from jaxspec.train.data import Dataset, bucket_widths
 from jaxspec.train.heads import Frozen
 
 
 # Jitted: one program for training and validation batches alike (the head's steps compile apart).
+# The target's features at full float32 precision, as generation computes them (jaxspec.compilation).
 @functools.partial(jax.jit, static_argnames=("target_cfg", "hidden_layers"))
+@compilation.full_precision_products
 def target_batch(target_params: Any, target_cfg, hidden_layers: tuple[int, ...], batch: dict[str, jax.Array],
                  draft_ids: jax.Array | None = None) -> dict[str, Any]:
     """The target's half of a training batch (right-padded; padding follows each row's tokens and
@@ -110,6 +113,12 @@ FEATURE_META = "meta.json"
 FEATURE_LAYOUT = "by_length/1"  # rows in length order, chunks as wide as their rows need
 
 
+def target_identity(target: Model) -> dict[str, str]:
+    """What a target's features depend on beyond the data: its config and its weights' format (an
+    int8 trunk's hidden states are not its float32 trunk's, and a head serves one of them)."""
+    return {"target_config": repr(target.config), "target_weights": quant.format_of(target.params).value}
+
+
 def cache_features(target: Model, data: Dataset, hidden_layers: tuple[int, ...], directory: str | os.PathLike[str],
                    *, batch_size: int = 8, chunk_rows: int = 64, bucket_width: int = 256,
                    progress: bool = False) -> FeatureCache:
@@ -123,17 +132,17 @@ def cache_features(target: Model, data: Dataset, hidden_layers: tuple[int, ...],
         raise InvalidRequestError(f"chunk_rows ({chunk_rows}) must be a multiple of batch_size ({batch_size})")
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    meta = {"data": data.fingerprint(), "target_config": repr(target.config), "dtype": "float16",
-            "layout": FEATURE_LAYOUT, "bucket_width": bucket_width, "hidden_layers": list(hidden_layers),
+    meta = {"data": data.fingerprint(), **target_identity(target), "dtype": "float16", "layout": FEATURE_LAYOUT, "bucket_width": bucket_width, "hidden_layers": list(hidden_layers),
             "chunk_rows": chunk_rows}
     meta_path = directory / FEATURE_META
     if meta_path.is_file():
         saved = json.loads(meta_path.read_text(encoding="utf-8"))
-        same_source = all(saved.get(key) == meta[key] for key in ("data", "target_config", "dtype", "layout"))
+        same_source = all(saved.get(key) == meta[key]
+                          for key in ("data", "target_config", "target_weights", "dtype", "layout"))
         if same_source and set(hidden_layers) <= set(saved.get("hidden_layers", ())):
             meta = saved  # this data's cache, with our layers among its own: read ours out of it
         else:
-            for stale in directory.glob("*.npy"):  # built for other data, layers or target
+            for stale in directory.glob("*.npy"):  # built for other data, layers, target or weights
                 stale.unlink()
     meta_path.write_text(json.dumps(meta, indent=2), encoding="utf-8")
     stored, chunk_rows = tuple(meta["hidden_layers"]), int(meta["chunk_rows"])

@@ -94,6 +94,16 @@ def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: 
     return jax.tree.map(jnp.asarray, params)
 
 
+def start_vocab(head: Model) -> np.ndarray:
+    """int64[Vd]: the target token of each draft id of an EAGLE-3 head (its d2t added to its draft
+    ids), the vocabulary `TrainConfig.keep_init_vocab` keeps and `start_from` carries rows by."""
+    if not isinstance(head.config, eagle3.Eagle3Config):
+        raise InvalidRequestError(f"keep_init_vocab: {head.source} is a {type(head.config).__name__} head, "
+                                  "with no draft vocabulary to keep (it needs an EAGLE-3 head)")
+    d2t = np.asarray(head.params.d2t, np.int64)
+    return np.arange(len(d2t)) + d2t
+
+
 def start_from(method: Method, head_cfg, fresh: HeadParams, vocab: DraftVocab, source: Model) -> tuple[HeadParams, int]:
     """The run's initial params taken from an existing head (`source`, as `jaxspec.load` gives
     it), and how many of the draft vocabulary's lm_head rows it supplied.
@@ -118,7 +128,7 @@ def start_from(method: Method, head_cfg, fresh: HeadParams, vocab: DraftVocab, s
                           layers.unfuse_projections(source.params))
     if method is Method.MTP:
         return params, head_cfg.block.vocab_size
-    their_ids = np.arange(source.config.draft_vocab_size) + np.asarray(params.d2t)  # each row's target token
+    their_ids = start_vocab(source)  # each row's target token
     row_of = np.full(head_cfg.vocab_size, -1, np.int64)
     row_of[their_ids] = np.arange(len(their_ids))
     rows = row_of[vocab.target_ids]  # [Vd]: the source's row for each of the run's draft tokens, -1 none

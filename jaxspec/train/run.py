@@ -36,7 +36,7 @@ import numpy as np
 from jaxspec import checkpoints
 from jaxspec.api import Model, SpecStats, generate, lm_head_of
 from jaxspec.errors import CheckpointError, InvalidRequestError
-from jaxspec.models import eagle3, layers
+from jaxspec.models import eagle3, layers, quant
 from jaxspec.train.config import Method, StepSpec, TrainConfig, optimizer
 from jaxspec.train.data import (
     BatchOrder,
@@ -52,13 +52,14 @@ from jaxspec.train.data import (
     split_rows,
     tokenize_prompts,
 )
-from jaxspec.train.features import target_source
+from jaxspec.train.features import target_identity, target_source
 from jaxspec.train.heads import (
     HeadParams,
     eagle3_config_for,
     init_head,
     mtp_config_for,
     start_from,
+    start_vocab,
     trainable_params,
 )
 from jaxspec.train.objective import evaluate, summarise, train_step
@@ -124,17 +125,24 @@ class TrainResult:
     head_path: pathlib.Path | None  # where the head was written (None until the run is complete)
 
 
-def _head_setup(target: Model, train_data: Dataset, cfg: TrainConfig, val_data: Dataset | None = None):
+def _head_setup(target: Model, train_data: Dataset, cfg: TrainConfig, val_data: Dataset | None = None,
+                start: Model | None = None):
     """(head config, hidden layers read, draft vocabulary) for this target and data. A vocabulary
     sized by coverage is measured on the validation rows when they hold answers (text the
-    ranking has not seen; on the training rows themselves coverage is overstated)."""
+    ranking has not seen; on the training rows themselves coverage is overstated). `start`: the
+    head `cfg.keep_init_vocab` keeps the vocabulary of (its tokens first)."""
     vocab_size = target.config.vocab_size
     if cfg.method is Method.EAGLE3:
+        kept = start_vocab(start) if cfg.keep_init_vocab else None
         size = cfg.draft_vocab_size or vocab_size
         if cfg.draft_vocab_coverage is not None:
             held_out = val_data if val_data is not None and val_data.assistant_tokens().any() else None
-            size = draft_vocab_size_for(train_data, vocab_size, cfg.draft_vocab_coverage, measured_on=held_out)
-        vocab = draft_vocab(train_data, vocab_size, size)
+            size = draft_vocab_size_for(train_data, vocab_size, cfg.draft_vocab_coverage, measured_on=held_out,
+                                        first=kept)
+        if kept is not None and size < len(kept):
+            raise InvalidRequestError(f"keep_init_vocab: the draft vocabulary ({size} tokens) cannot hold the "
+                                      f"{len(kept)} of {cfg.init_from}; give draft_vocab_size >= {len(kept)}")
+        vocab = draft_vocab(train_data, vocab_size, size, first=kept)
         head_cfg = eagle3_config_for(target.config, len(vocab.target_ids), cfg.aux_layer_ids)
         return head_cfg, eagle3.target_hidden_layers(head_cfg.aux_layer_ids), vocab
     if cfg.draft_vocab_size not in (None, vocab_size) or cfg.draft_vocab_coverage is not None:
@@ -170,7 +178,7 @@ def load_start_head(name: str) -> Model:
 
 
 def _run_record(cfg: TrainConfig, data: Dataset, target: Model) -> dict[str, Any]:
-    return {"train_config": cfg.to_dict(), "data": data.fingerprint(), "target_config": repr(target.config)}
+    return {"train_config": cfg.to_dict(), "data": data.fingerprint(), **target_identity(target)}
 
 
 def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: TrainConfig, *,
@@ -195,10 +203,14 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_rows, val_rows = split_rows(data, cfg.val_fraction, cfg.seed)
-    head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg, data.subset(val_rows))
+    # A resume takes its params from its checkpoint; only a kept vocabulary reads the head again.
+    needs_start = cfg.init_from is not None and (not resume or cfg.keep_init_vocab)
+    start_head = load_start_head(cfg.init_from) if needs_start else None
+    head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg, data.subset(val_rows),
+                                                 start_head)
     # Where the params start is no part of the compiled step: runs that differ only there share it.
-    spec = StepSpec(train=dataclasses.replace(cfg, init_from=None), target_cfg=target.config, head_cfg=head_cfg,
-                    hidden_layers=hidden_layers)
+    spec = StepSpec(train=dataclasses.replace(cfg, init_from=None, keep_init_vocab=False), target_cfg=target.config,
+                    head_cfg=head_cfg, hidden_layers=hidden_layers)
     frozen = {"embed": target.params.embed,
               "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
               "target_to_draft": jnp.asarray(vocab.target_to_draft)}
@@ -208,7 +220,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     initial = init_head(cfg.method, head_cfg, target, vocab, cfg.seed,
                         mtp_block_from_last_layer=cfg.mtp_block_from_last_layer)
     if cfg.init_from is not None and not resume:  # a resumed run's params come from its checkpoint
-        initial, carried = start_from(cfg.method, head_cfg, initial, vocab, load_start_head(cfg.init_from))
+        initial, carried = start_from(cfg.method, head_cfg, initial, vocab, start_head)
         if progress:
             print(f"jaxspec: starting from {cfg.init_from} ({carried} of {len(vocab.target_ids)} lm_head rows carried)")
     params = trainable_params(initial)
@@ -227,8 +239,9 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
             saved = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
             ours, theirs = record["train_config"], TrainConfig.from_dict(saved["train_config"]).to_dict()
             changed = sorted(name for name in ours if theirs.get(name) != ours[name])
-            if changed or saved["data"] != record["data"] or saved["target_config"] != record["target_config"]:
-                what = f"settings {changed}" if changed else "data or target"
+            other_target = any(saved.get(key) != record[key] for key in ("target_config", "target_weights"))
+            if changed or saved["data"] != record["data"] or other_target:
+                what = f"settings {changed}" if changed else "data or target (its config or weight format)"
                 raise InvalidRequestError(f"cannot resume {out_dir}: its run used different {what}")
             params, opt_state = _restore_checkpoint(manager, start, params, opt_state, cfg.seed)
         else:
@@ -308,6 +321,7 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
                num_passage_prompts: int = 192, distill_batch_size: int = 32, chat: bool | None = None,
                resume: bool = False, tau_prompts: int = 8, num_draft_tokens: int = 3,
                feature_dir: str | os.PathLike[str] | None = None, head_dtype: str = "float32",
+               weight_format: str | quant.WeightFormat = "auto",
                progress: bool = True) -> tuple[TrainResult, SpecStats | None]:
     """Load the target (a name or path, or a loaded Model), build the training data, train, write
     the head, and measure tau on up to `tau_prompts` held-out prompts.
@@ -317,7 +331,8 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
     target (`chat` None = through the chat template when the tokenizer has one), else the
     built-in self-instruct set (`self_instruct_examples`: `num_prompts` topic prompts and
     `num_passage_prompts` over the target's own articles). `feature_dir` and `head_dtype` go to
-    `train`. With `resume`, the run in `out_dir`
+    `train`. `weight_format` is the format a name or path loads in (an int8 target trains the head
+    on its int8 trunk's features, for serving under int8). With `resume`, the run in `out_dir`
     continues with its own saved settings and data (`cfg`, `prompts` and `data` are ignored).
     Arguments are checked before the target loads."""
     for name, value, least in (("seq_len", seq_len, 4), ("max_new_tokens", max_new_tokens, 1),
@@ -326,12 +341,13 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise InvalidRequestError(f"{name} must be an integer >= {least}; got {value!r}")
     _check_head_dtype(head_dtype)
+    quant.WeightFormat.parse(weight_format)  # a bad name is refused here, before the target loads
     if resume:
         cfg, data = saved_run(out_dir)
     cfg = cfg or TrainConfig()
     if cfg.init_from is not None and not resume:
         load_start_head(cfg.init_from)  # a bad head is named before the target loads
-    target = model if isinstance(model, Model) else _load_target(model, progress)
+    target = model if isinstance(model, Model) else _load_target(model, weight_format, progress)
     if data is not None:
         if int(data.tokens.max(initial=0)) >= target.config.vocab_size:
             raise InvalidRequestError(f"the data holds token ids outside the target's vocabulary ({target.config.vocab_size})")
@@ -362,7 +378,7 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
     return result, stats
 
 
-def _load_target(name: str, progress: bool) -> Model:
+def _load_target(name: str, weight_format: str | quant.WeightFormat, progress: bool) -> Model:
     from jaxspec import api
 
-    return api.load(name, progress=progress)
+    return api.load(name, weight_format=weight_format, progress=progress)
