@@ -152,7 +152,7 @@ def _options(per_row: list) -> dict:
 def test_every_output_matches_its_grammar(target, draft, head, method, temperature):
     drafted, method_options = _draft_of(method, draft, head)
 
-    @settings(max_examples=3, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=2, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(st.lists(row_grammars, min_size=3, max_size=3).filter(lambda rows: any(r is not None for r in rows)))
     def check(per_row):

@@ -214,7 +214,7 @@ def test_eagle_config_declares_aux_layers():
 # Exactness in the loop
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 4])  # one draft, and a chain past the head's first depth
 def test_eagle3_speculation_equals_plain_greedy(target, head, k):
     plain = jaxspec.generate(target, None, PROMPTS, max_new_tokens=24, ignore_eos=True)
     spec = jaxspec.generate(target, head, PROMPTS, max_new_tokens=24, ignore_eos=True, num_draft_tokens=k)

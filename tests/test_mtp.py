@@ -217,13 +217,13 @@ def test_transformers_mtp_generation_proposes_what_jaxspec_proposes(hf_models, t
     assert spec.stats.accepted == hf_accepted
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 4])  # one draft, and the head chained on its own hidden
 def test_mtp_speculation_equals_plain_greedy(target, head, k):
     plain = jaxspec.generate(target, prompt=PROMPTS, max_new_tokens=24, ignore_eos=True)
     spec = jaxspec.generate(target, head, PROMPTS, max_new_tokens=24, ignore_eos=True, num_draft_tokens=k)
     assert spec.tokens == plain.tokens
     assert spec.stats.method == "mtp" and spec.stats.proposed > 0
-    if k == 3:
+    if k > 1:
         single = jaxspec.generate(target, head, PROMPTS[2], max_new_tokens=24, ignore_eos=True, num_draft_tokens=k)
         assert single.tokens[0] == plain.tokens[2]
 

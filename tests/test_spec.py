@@ -42,7 +42,7 @@ def _method_kwargs(method, model, draft_model):
     return dict(method="ngram")
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("method", ["ngram", "draft", "layer_skip"])
 def test_ragged_batch_matches_plain_greedy(tiny_model, draft_model, method, k):
     reference = _plain(tiny_model, PROMPTS, 30, ignore_eos=True)

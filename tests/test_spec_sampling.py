@@ -41,11 +41,14 @@ def draft():
     return jaxspec.Model(config=cfg, params=llama.init_params(cfg, jax.random.PRNGKey(1), scale=0.5))
 
 
+_any_forward = jax.jit(models.forward, static_argnums=1)  # any trunk family; one jit, so its programs are shared
+
+
 def exact_joint(model, settings, prompt=PROMPT) -> np.ndarray:
     """p(t1, t2, t3 | prompt) under the processed distribution, by enumeration: [V, V, V]."""
     V = model.config.vocab_size
     spec = spec_for(**settings)
-    forward = jax.jit(models.forward, static_argnums=1)  # any trunk family
+    forward = _any_forward
 
     def next_probs(sequences):  # -> [N, V], each sequence's processed next-token distribution
         tokens = jnp.asarray(sequences, jnp.int32)
