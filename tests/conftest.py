@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import os
 
@@ -69,13 +70,20 @@ def pytest_configure(config):
         jax.config.update("jax_default_matmul_precision", "highest")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def release_programs():
-    """For a module that compiles many programs (every method, grammar tables of several sizes):
-    drop jit's compiled programs when it ends, so a suite worker does not carry them into later
-    modules' memory. Use with `pytestmark = pytest.mark.usefixtures("release_programs")`."""
+    """Every module's compiled programs are dropped when it ends (jit's caches cleared, then a
+    collection for the executables held in reference cycles). XLA:CPU maps each program's code
+    into memory areas of its own and frees them only with the program: tests/test_spec.py alone
+    leaves its process 11,490 mappings (637 after the release), and a suite worker that kept
+    every module's programs reached the kernel's limit (vm.max_map_count, 65,530 here), where
+    the next compile's mmap fails and XLA:CPU crashes the worker with a segfault inside
+    backend_compile_and_load (seen in different modules of full runs, never in a module run
+    alone). Autouse at module scope, it is set up before a module's own fixtures and torn down
+    after them, so it also releases what they compiled."""
     yield
     jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -39,8 +39,6 @@ from jaxspec.spec import loop
 from jaxspec.tokenizer import Tokenizer
 from tests.test_spec_sampling import SIGNIFICANCE, assert_broken_run_detected, chi_square_p_value
 
-# Many programs compile here: conftest.release_programs drops them when the module ends.
-pytestmark = pytest.mark.usefixtures("release_programs")
 
 SPECIALS = ["<unk>", "<s>", "<pad>", "</s>"]  # </s> (id 3) is EOS, as TINY's config says
 PIECES = ['{"', '":', '",', '"}', ' "', "true", "false", "null", "00", "10", "42", "ab", "cd", "the", " the",

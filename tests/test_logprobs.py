@@ -21,8 +21,6 @@ from jaxspec.models import llama
 from jaxspec.cache import KVCache
 from tests.conftest import TINY, requires_default_model
 
-# Many programs compile here: conftest.release_programs drops them when the module ends.
-pytestmark = pytest.mark.usefixtures("release_programs")
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],

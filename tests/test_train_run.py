@@ -1,11 +1,11 @@
 """The training-run checks (tests/train_run_checks.py), run in a fresh process of their own.
 
 Why a process of its own: in a suite worker that had compiled several hundred programs before
-them, XLA:CPU (jaxlib 0.10.2) has crashed the process outright while compiling these checks'
-programs (SIGSEGV or SIGABRT inside backend_compile_and_load), in three different checks of the
-module across four full runs here and on CI, never when the module ran alone or after only the
-other training modules. A crashed worker takes its remaining tests with it and ends the run; a
-fresh process compiles the same programs as a `train-head` run does. The checks themselves stay
+them, XLA:CPU (jaxlib 0.10.2) crashed the process while compiling these checks' programs
+(SIGSEGV inside backend_compile_and_load). The cause, found since: the worker's memory mappings
+had reached vm.max_map_count (conftest.release_programs, which now releases every module's
+programs). The fresh process stays as a second guard: it compiles the same programs as a
+`train-head` run does, and a crash here fails one test instead of ending the run. The checks stay
 ordinary pytest tests: `python -m pytest tests/train_run_checks.py` runs them directly.
 """
 

@@ -42,9 +42,19 @@ from jaxspec.pallas import kv_quant
 from jaxspec.pallas.kv_quant import BLOCK, Format, Packed
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
-# The reference's and the kernel's products in full float32 (on a GPU the default is TF32, which
-# moved the reference 1e-3 from the kernel on an H200; on CPU it is the same program).
+# The kernel's products in full float32 (IEEE on Triton).
 _FULL = jax.lax.Precision.HIGHEST
+
+
+def _reference_precision() -> jax.lax.Precision | None:
+    """The reference's product precision, read when it is traced: full float32 on a GPU, where the
+    default is TF32 (it moved the reference 1e-3 from the kernel on an H200, and a reference
+    called outside an engine program is not under `compilation.full_precision_products`); the
+    default elsewhere, since XLA:CPU's float32 products are full precision already and an
+    explicit HIGHEST changes its programs (the engine's CPU programs stay as they were:
+    tests/test_loop.py). The check is `compilation.pins_full_precision`'s, which this module
+    cannot import (jaxspec.compilation imports the checkpoint loaders, which import models)."""
+    return _FULL if jax.default_backend() == "gpu" else None
 _GPU_MIN_ROWS = 16  # Triton's dot needs at least 16 rows
 _WORD_BITS = 32  # window slots per packed tree-mask word (int32)
 # A program holds one (row, kv head)'s G*T queries as one tile: decode and verify sizes. A
@@ -172,22 +182,24 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
     keys, values = kv_quant.dequantize(keys), kv_quant.dequantize(values)  # [B, K, S, H]
     queries = _grouped(q.astype(jnp.float32))  # [B, K, G*T, H]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    precision = _reference_precision()
     if queries.shape[2] <= CACHE_MAJOR_MAX_QUERIES:
         # Decode and verify: the cache is the large operand. Left to itself XLA:CPU lays the
         # product out for the softmax that follows (query-major) and contracts the cache over
         # its minor axis H slowly; computed cache-major, with a barrier that keeps that layout,
         # a whole B = 64 int8 decode step over 768 slots runs 2.2x faster, over 384 1.3x, a
         # B = 8 verify 1.1x, batch 1 1.02-1.07x (bench/attention.py).
-        scores = jax.lax.optimization_barrier(jnp.einsum("BKSH,BKQH->BKSQ", keys, queries * scale, precision=_FULL))
+        scores = jax.lax.optimization_barrier(
+            jnp.einsum("BKSH,BKQH->BKSQ", keys, queries * scale, precision=precision))
         scores = jnp.swapaxes(scores, -1, -2)  # [B, K, Q, S]
     else:
-        scores = jnp.einsum("BKQH,BKSH->BKQS", queries * scale, keys, precision=_FULL)
+        scores = jnp.einsum("BKQH,BKSH->BKQS", queries * scale, keys, precision=precision)
     visible = mask_visible(mask, lengths, steps, jnp.arange(capacity), window=window,
                            query_positions=query_positions)  # [B, T, S]
     visible = jnp.tile(visible, (1, group, 1))  # [B, G*T, S]: rows (g, t)
     scores = jnp.where(visible[:, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values, precision=_FULL)
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values, precision=precision)
     return _ungrouped(out, steps)
 
 
