@@ -36,7 +36,6 @@ import jax.numpy as jnp
 from flax import struct
 from jax.experimental import pallas as pl
 
-from jaxspec import compilation
 from jaxspec.choice import Choice
 from jaxspec.errors import InvalidRequestError
 from jaxspec.pallas import kv_quant
@@ -45,6 +44,17 @@ from jaxspec.pallas.kv_quant import BLOCK, Format, Packed
 _MASKED = float(jnp.finfo(jnp.float32).min)
 # The kernel's products in full float32 (IEEE on Triton).
 _FULL = jax.lax.Precision.HIGHEST
+
+
+def _reference_precision() -> jax.lax.Precision | None:
+    """The reference's product precision, read when it is traced: full float32 on a GPU, where the
+    default is TF32 (it moved the reference 1e-3 from the kernel on an H200, and a reference
+    called outside an engine program is not under `compilation.full_precision_products`); the
+    default elsewhere, since XLA:CPU's float32 products are full precision already and an
+    explicit HIGHEST changes its programs (the engine's CPU programs stay as they were:
+    tests/test_loop.py). The check is `compilation.pins_full_precision`'s, which this module
+    cannot import (jaxspec.compilation imports the checkpoint loaders, which import models)."""
+    return _FULL if jax.default_backend() == "gpu" else None
 _GPU_MIN_ROWS = 16  # Triton's dot needs at least 16 rows
 _WORD_BITS = 32  # window slots per packed tree-mask word (int32)
 # A program holds one (row, kv head)'s G*T queries as one tile: decode and verify sizes. A
@@ -151,15 +161,6 @@ def _ungrouped(out: jax.Array, steps: int) -> jax.Array:
 
 
 # --- reference ---------------------------------------------------------------------------------
-
-def _reference_precision() -> jax.lax.Precision | None:
-    """The reference's product precision, read when it is traced: full float32 where engine
-    programs pin it (`compilation.pins_full_precision`: on a GPU, whose TF32 default moved the
-    reference 1e-3 from the kernel on an H200, also when the reference is called outside an
-    engine program); the default elsewhere, since an explicit HIGHEST changes XLA:CPU's programs
-    (tests/test_loop.py checks the CPU engine programs stay as they were)."""
-    return _FULL if compilation.pins_full_precision() else None
-
 
 def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
                            mask: TreeMask | None = None, window: int | None = None,
