@@ -28,6 +28,7 @@ from jaxspec.cache import write_kv
 from jaxspec.config import RopeScaling, RopeType
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.pallas.flash_decode import Attention, TreeMask, attend, quantize_for
+from jaxspec.models.draft_chain import DraftChain, chain_attention
 from jaxspec.models.params import param
 from jaxspec.models.quant import Weight, concat_rows, matmul, split_rows
 from jaxspec.pallas.kv_quant import Packed
@@ -248,7 +249,7 @@ def _is_block(node: Any) -> bool:
 
 def self_attention(
     weights: AttentionParams, cfg: AttentionConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
-    keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
+    keys: Packed | DraftChain, values: Packed | DraftChain, offsets: jax.Array, batch: int, steps: int,
     *, qk_norm: bool = False, output_gate: bool = False, attention: Attention | str = Attention.AUTO,
     tree_mask: TreeMask | None = None,
 ) -> tuple[jax.Array, Packed, Packed]:
@@ -260,7 +261,9 @@ def self_attention(
     With `output_gate` the attention output is multiplied by sigmoid(gate) before o_proj.
     keys/values are the layer's buffers [B, K, S, H] in the cache's format; `attention` picks
     the Pallas kernel or the XLA reference (jaxspec.pallas.flash_decode.Attention); `tree_mask`
-    replaces the causal rule among the new tokens (a draft tree's ancestor mask).
+    replaces the causal rule among the new tokens (a draft tree's ancestor mask). keys/values
+    may instead be `DraftChain`s (a draft head's deeper training-time-test step: `offsets` and
+    the switches are then unused), and come back with this step's entries in them.
     Returns the output [D, B*T] and the buffers with the T new entries written at `offsets`.
     """
     N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
@@ -279,16 +282,22 @@ def self_attention(
     q = apply_rope(q, cos, sin, cfg.rotary_dim)
     k = apply_rope(k, cos, sin, cfg.rotary_dim)
 
-    # The new keys/values land at each row's own offset (quantized on the way in for a block
-    # format); attention then reads them back from the cache like every other slot, so a T = 1
-    # and a T = k+1 forward see the same stored values.
-    quantize = quantize_for(attention, H, keys.shape[2])
-    keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
-    values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
-
     # Queries as [B, T, K, G, H] (GQA: query head k*G + g reads kv head k).
-    q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 4, 0, 1, 2))
-    out = attend(q, keys, values, offsets, mask=tree_mask, attention=attention)  # [B, T, K, G, H]
+    q_grouped = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 4, 0, 1, 2))
+    if isinstance(keys, DraftChain):
+        # A deeper step of the training-time test: this depth's entries join every chain, and each
+        # query reads its context and its own chain (jaxspec.models.draft_chain).
+        keys = keys.written(jnp.transpose(k, (2, 0, 3, 1)))  # [K, H, B, T] -> [B, K, T, H]
+        values = values.written(jnp.transpose(v, (2, 0, 3, 1)))
+        out = chain_attention(q_grouped, keys, values)  # [B, T, K, G, H]
+    else:
+        # The new keys/values land at each row's own offset (quantized on the way in for a block
+        # format); attention then reads them back from the cache like every other slot, so a T = 1
+        # and a T = k+1 forward see the same stored values.
+        quantize = quantize_for(attention, H, keys.shape[2])
+        keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
+        values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
+        out = attend(q_grouped, keys, values, offsets, mask=tree_mask, attention=attention)  # [B, T, K, G, H]
     out = jnp.transpose(out, (2, 3, 4, 0, 1)).reshape(N * H, batch * steps)  # [N*H, B*T]
     if gate is not None:
         out = out * jax.nn.sigmoid(gate.reshape(N * H, batch * steps))  # per head dim
@@ -335,7 +344,7 @@ def logits_head(head: Weight, h: jax.Array, batch: int, steps: int,
 
 def decoder_layer(
     layer: LlamaLayer, cfg: AttentionConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
-    keys: Packed, values: Packed, offsets: jax.Array, batch: int, steps: int,
+    keys: Packed | DraftChain, values: Packed | DraftChain, offsets: jax.Array, batch: int, steps: int,
     *, qk_norm: bool = False, attention: Attention | str = Attention.AUTO, tree_mask: TreeMask | None = None,
 ) -> tuple[jax.Array, Packed, Packed]:
     """One pre-norm decoder layer on the residual stream h [D, B*T]: attention, then SwiGLU.

@@ -6,13 +6,13 @@ position p + 1, its argmax (or its distribution over the draft vocabulary). Only
 prediction lands in the response count (the loss mask); prompts are context, not targets.
 
 The training-time test (EAGLE-3, "TTT"): the head is unrolled `ttt_steps` times over the whole
-sequence at once. Step 0 reads the encoded target features; step j > 0 reads the head's own
-g_next from step j - 1 shifted right by one position, so slot p at step j carries a feature the
-head derived from the target feature at p - j through j of its own steps, exactly the chain a
-depth-j draft runs at inference. Tokens stay the ground truth (a deeper draft only matters when
-the shallower ones were accepted). Each step attends causally over its own sequence (a fresh KV
-cache of T slots): at inference the earlier slots hold target features rather than the head's own,
-a simplification of the paper's tree mask that keeps every step a plain head forward. Step j's
+sequence at once (`unrolled`), each depth one head forward whose positions are the chain starts c.
+Depth 0 reads the encoded target features causally, as the head absorbs committed positions at
+inference. Depth j > 0 runs, for every start c, the j-th step of the chain drafted after position
+c: the head's own g_next of depth j - 1 at the same c, the token at slot c + j, RoPE position
+c + j, attending to the depth-0 context of starts <= c and to its own chain's depths 1..j
+(`jaxspec.models.draft_chain`): the exact attention a depth-j draft has at inference. Tokens stay
+the ground truth (a deeper draft only matters when the shallower ones were accepted). Step j's
 loss is weighted `step_decay ** j`. MTP trains through the same code with its own forward, the
 target's final-normed hidden as the feature and the target's vocabulary.
 
@@ -32,7 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxspec.cache import KVCache
 from jaxspec.models import eagle3, mtp
+from jaxspec.models.draft_chain import DraftChain
+from jaxspec.pallas import kv_quant
 from jaxspec.train.config import Method, StepSpec, optimizer
 from jaxspec.train.heads import Frozen, HeadParams, trainable_params
 
@@ -46,17 +49,25 @@ def _shift_left(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
 
 
-def _head_step(spec: StepSpec, params: HeadParams, frozen: Frozen, tokens: jax.Array, g: jax.Array
-               ) -> tuple[jax.Array, jax.Array]:
-    """One head forward over the whole sequence in a fresh cache: logits [B, T, Vd], g_next [B, T, D]."""
-    batch, seq_len = tokens.shape
+def _head_step(spec: StepSpec, params: HeadParams, frozen: Frozen, tokens: jax.Array, g: jax.Array,
+               cache: KVCache, positions: jax.Array) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One head forward over every position of the batch: logits [B, T, Vd], g_next [B, T, D], and
+    the cache (a fresh one at depth 0; the chains' `DraftChain`s at deeper steps)."""
     if spec.train.method is Method.EAGLE3:
-        cache = eagle3.create_cache(spec.head_cfg, batch, seq_len)
-        logits, g_next, _ = eagle3.forward(params, spec.head_cfg, frozen["embed"], tokens, g, cache)
-    else:
-        cache = mtp.create_cache(spec.head_cfg, batch, seq_len)
-        logits, g_next, _ = mtp.forward(params, spec.head_cfg, frozen["embed"], frozen["lm_head"], tokens, g, cache)
-    return logits, g_next
+        return eagle3.forward(params, spec.head_cfg, frozen["embed"], tokens, g, cache, positions=positions)
+    return mtp.forward(params, spec.head_cfg, frozen["embed"], frozen["lm_head"], tokens, g, cache,
+                       positions=positions)
+
+
+def _fresh_cache(spec: StepSpec, batch: int, seq_len: int) -> KVCache:
+    module = eagle3 if spec.train.method is Method.EAGLE3 else mtp
+    return module.create_cache(spec.head_cfg, batch, seq_len)
+
+
+def _from_depth(x: jax.Array, depth: jax.Array, max_depth: int) -> jax.Array:
+    """x[:, c + depth] at c (x [B, T, ...]); zeros (False) past the end. `depth` may be traced."""
+    pad = [(0, 0), (0, max_depth)] + [(0, 0)] * (x.ndim - 2)
+    return jax.lax.dynamic_slice_in_dim(jnp.pad(x, pad), depth, x.shape[1], axis=1)
 
 
 def agrees_with_target(logits: jax.Array, label_draft: jax.Array) -> jax.Array:
@@ -112,28 +123,55 @@ def _loss_terms(params: HeadParams, frozen: Frozen, targets: dict[str, Any], spe
         g = eagle3.encode(params, features)  # [B, T, D]
     else:
         g = features[0]  # the target's final-normed hidden
-    positions = jnp.arange(seq_len)[None, :]
+    max_depth = spec.train.ttt_steps - 1
 
-    def depth_step(g, depth):
-        """One unrolled head step at depth j (a scan: one compiled head forward for all depths)."""
-        logits, g_next = _head_step(spec, params, frozen, tokens_in, g)
-        # At depth j, slot p's feature descends from the target's at p - j: it must exist.
-        reachable = positions >= depth
-        mask = trainable & reachable
+    def terms_at(depth, logits):
+        """Depth j's loss and agreement: chain start c drafts the token the target predicts at
+        slot c + j (labels and masks read j positions on; none past the end)."""
+        label = _from_depth(label_draft, depth, max_depth)
+        scored = _from_depth(responds, depth, max_depth)
+        mask = _from_depth(trainable, depth, max_depth)
         if spec.train.soft_labels:
-            ce = optax.softmax_cross_entropy(logits, label_probs)
+            ce = optax.softmax_cross_entropy(logits, _from_depth(label_probs, depth, max_depth))
         else:
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(label_draft, 0))
-        scored = responds & reachable
-        terms = {"ce_sum": jnp.sum(jnp.where(mask, ce, 0.0)), "count": jnp.sum(mask).astype(jnp.float32),
-                 "correct": jnp.sum(agrees_with_target(logits, label_draft) & scored).astype(jnp.float32),
-                 "scored": jnp.sum(scored).astype(jnp.float32)}
-        # The next depth reads the head's own output one position back (as drafting chains it).
-        g = jnp.concatenate([jnp.zeros_like(g_next[:, :1]), g_next[:, :-1]], axis=1)
-        return g, terms
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(label, 0))
+        return {"ce_sum": jnp.sum(jnp.where(mask, ce, 0.0)), "count": jnp.sum(mask).astype(jnp.float32),
+                "correct": jnp.sum(agrees_with_target(logits, label) & scored).astype(jnp.float32),
+                "scored": jnp.sum(scored).astype(jnp.float32)}
 
-    _, terms = jax.lax.scan(depth_step, g, jnp.arange(spec.train.ttt_steps))
-    return terms  # each float32[J]
+    return unrolled(spec, params, frozen, tokens_in, g, terms_at)  # each float32[J]
+
+
+def unrolled(spec: StepSpec, params: HeadParams, frozen: Frozen, tokens_in: jax.Array, g: jax.Array, per_depth):
+    """The training-time test: `per_depth(depth, logits)` of every unrolled depth, stacked [J, ...].
+
+    tokens_in int32[B, T]: the token after each position (head slot p pairs feature p with token
+    p + 1); g [B, T, D]: the head's input at depth 0 (encoded target features). Depth j runs every
+    chain start c at once: slot c + j's token, the head's own g_next of depth j - 1 at the same
+    start, RoPE position c + j, attending to the depth-0 context of starts <= c and to its own
+    chain (jaxspec.models.draft_chain), as a chain drafted after position c runs it at inference.
+    Its logits [B, T, Vd] at c draft the token at slot c + j + 2."""
+    batch, seq_len = tokens_in.shape
+    max_depth = spec.train.ttt_steps - 1
+    starts = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32)[None, :], (batch, seq_len))  # [B, T]
+
+    # Depth 0: the head over the target's features, causally, as it absorbs committed positions.
+    logits, g, cache = _head_step(spec, params, frozen, tokens_in, g, _fresh_cache(spec, batch, seq_len), starts)
+    first = jax.tree.map(lambda x: x[None], per_depth(0, logits))
+    if max_depth == 0:
+        return first
+    chains = cache.replace(keys=(DraftChain.start(kv_quant.dequantize(cache.keys[0]), max_depth),),
+                           values=(DraftChain.start(kv_quant.dequantize(cache.values[0]), max_depth),))
+
+    def depth_step(carry, depth):
+        g, chains = carry
+        chains = chains.replace(keys=(chains.keys[0].at_depth(depth),), values=(chains.values[0].at_depth(depth),))
+        logits, g_next, chains = _head_step(spec, params, frozen, _from_depth(tokens_in, depth, max_depth), g,
+                                            chains, starts + depth)
+        return (g_next, chains), per_depth(depth, logits)
+
+    _, deeper = jax.lax.scan(depth_step, (g, chains), jnp.arange(1, max_depth + 1))
+    return jax.tree.map(lambda head, rest: jnp.concatenate([head, rest]), first, deeper)
 
 
 def _weighted_loss(terms: dict[str, jax.Array], step_decay: float) -> jax.Array:
