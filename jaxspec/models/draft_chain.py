@@ -7,10 +7,10 @@ from the target's own features (depth 0), and to its own chain's entries at slot
 sequence at once, one head forward per depth with the starts as its positions. A query of start
 c at depth j >= 1 therefore attends to the depth-0 entries of starts 0..c (causal) and to its own
 chain's entries of depths 1..j, which sit at the same index c of the deeper forwards: the
-training-time-test mask of the EAGLE-3 paper. (Attending causally over the deeper forward's own
-entries instead, as jaxspec's first heads were trained, shows a depth-j step a context of
-depth-j features that inference never builds: those heads' second and third drafts were rarely
-accepted.)
+training-time-test mask of the EAGLE-3 paper. (jaxspec's first heads were trained with each depth
+attending causally over its own forward's entries, a context of depth-j features inference never
+builds; measured on held-out corpus rows, that mask overstated the shipped head's agreement at
+depths 1-3 by 0.01-0.03, bench/RESULTS.md.)
 
 `DraftChain` is what `layers.self_attention` reads in place of a KV buffer when a head runs a
 deeper step of the training-time test; `chain_attention` is that attention, in float32 jnp.
