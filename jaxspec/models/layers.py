@@ -252,7 +252,7 @@ def self_attention(
     keys: Packed | DraftChain, values: Packed | DraftChain, offsets: jax.Array, batch: int, steps: int,
     *, qk_norm: bool = False, output_gate: bool = False, attention: Attention | str = Attention.AUTO,
     tree_mask: TreeMask | None = None,
-) -> tuple[jax.Array, Packed, Packed]:
+) -> tuple[jax.Array, Packed | DraftChain, Packed | DraftChain]:
     """Self-attention of T new tokens per row over that row's cache. h: [D, B*T] (normed).
 
     weights: q_proj [N*H, D] ([N*2H, D] with `output_gate`: per head H query rows then H gate
@@ -283,13 +283,13 @@ def self_attention(
     k = apply_rope(k, cos, sin, cfg.rotary_dim)
 
     # Queries as [B, T, K, G, H] (GQA: query head k*G + g reads kv head k).
-    q_grouped = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 4, 0, 1, 2))
+    q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 4, 0, 1, 2))
     if isinstance(keys, DraftChain):
         # A deeper step of the training-time test: this depth's entries join every chain, and each
         # query reads its context and its own chain (jaxspec.models.draft_chain).
         keys = keys.written(jnp.transpose(k, (2, 0, 3, 1)))  # [K, H, B, T] -> [B, K, T, H]
         values = values.written(jnp.transpose(v, (2, 0, 3, 1)))
-        out = chain_attention(q_grouped, keys, values)  # [B, T, K, G, H]
+        out = chain_attention(q, keys, values)  # [B, T, K, G, H]
     else:
         # The new keys/values land at each row's own offset (quantized on the way in for a block
         # format); attention then reads them back from the cache like every other slot, so a T = 1
@@ -297,7 +297,7 @@ def self_attention(
         quantize = quantize_for(attention, H, keys.shape[2])
         keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
         values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
-        out = attend(q_grouped, keys, values, offsets, mask=tree_mask, attention=attention)  # [B, T, K, G, H]
+        out = attend(q, keys, values, offsets, mask=tree_mask, attention=attention)  # [B, T, K, G, H]
     out = jnp.transpose(out, (2, 3, 4, 0, 1)).reshape(N * H, batch * steps)  # [N*H, B*T]
     if gate is not None:
         out = out * jax.nn.sigmoid(gate.reshape(N * H, batch * steps))  # per head dim
