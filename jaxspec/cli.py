@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--no-feature-cache", action="store_true",
                       help="recompute the target's features every step instead of caching them once on disk")
     head.add_argument("--feature-cache", default=None,
-                      help="the feature cache's directory (default OUT/features); runs on the same data may share it")
+                      help="the feature cache's directory (default OUT/features); rows are found by their tokens, "
+                           "so runs on any data may share one (a corpus's rounds are computed once)")
     head.add_argument("--head-dtype", choices=("float32", "bfloat16"), default="float32",
                       help="the written head's weights (bfloat16: half the bytes)")
     head.add_argument("--init-from", default=None, metavar="HEAD",

@@ -160,9 +160,14 @@ def test_kernel_matches_reference_under_a_tree_mask(key_format, value_format, gr
 
 @pytest.mark.parametrize("key_format, value_format, group, steps", [("f32", "f32", 3, 1), ("q8_0", "q5_1", 3, 5),
                                                                     ("bf16", "bf16", 1, 9)])
-def test_reference_scores_cache_major_and_query_major_agree(monkeypatch, key_format, value_format, group, steps):
+@pytest.mark.parametrize("query_block", [2, 4096])
+def test_reference_scores_cache_major_and_query_major_agree(monkeypatch, key_format, value_format, group, steps,
+                                                            query_block):
     """The reference computes decode/verify scores cache-major (XLA:CPU's fast layout) and a
-    prefill's query-major: the same attention, causal, under a tree mask and in a sliding window."""
+    prefill's query-major, a block of queries at a time over the slots the block can reach: the
+    same attention, causal, under a tree mask and in a sliding window, with blocks of 2 (T = 5
+    and 9 leave a short last block; the row at length S - T reaches the last slot only from its
+    last block) or T in one block."""
     assert flash_decode_module.CACHE_MAJOR_MAX_QUERIES >= 3 * 9  # decode and verify sizes go cache-major
     q, keys, values, lengths = _random_attention_inputs(key_format, value_format, group, steps, seed=7 * steps + group)
     rng = np.random.RandomState(steps)
@@ -172,6 +177,7 @@ def test_reference_scores_cache_major_and_query_major_agree(monkeypatch, key_for
     for name, options in cases.items():
         cache_major = flash_decode_reference(q, keys, values, lengths, **options)
         monkeypatch.setattr(flash_decode_module, "CACHE_MAJOR_MAX_QUERIES", 0)
+        monkeypatch.setattr(flash_decode_module, "PREFILL_QUERY_BLOCK", query_block)
         query_major = flash_decode_reference(q, keys, values, lengths, **options)
         monkeypatch.undo()
         assert max_relative_error(cache_major, query_major) < 1e-5, name

@@ -36,16 +36,21 @@ def test_target_batch_features_labels_and_mask(toy):
     np.testing.assert_array_equal(out["loss_mask"], expected_mask)
 
 
+def _stamps(directory):
+    return {p.name: p.stat().st_mtime_ns for p in directory.glob("*.npy")}
+
+
 def test_feature_cache_holds_the_targets_half_and_is_built_once(toy, tmp_path):
-    """Chunks of the target's features (float16) and argmax labels, equal to a fresh target pass;
-    complete chunks are reused, a missing one is rebuilt alone, other layers rebuild all."""
+    """Shards of the target's features (float16) and argmax labels, equal to a fresh target pass;
+    complete shards are reused, an interrupted one's rows are computed alone, other layers or
+    weights rebuild all."""
     target, _, _, data = toy
     layers = eagle3.target_hidden_layers((0, 1, 1))
     directory = tmp_path / "features"
-    cache = train.cache_features(target, data, layers, directory, batch_size=8, chunk_rows=16)
+    cache = train.cache_features(target, data, layers, directory, chunk_rows=16)
     assert len(cache.features) == 3 and cache.features[2].shape == (len(data) - 32, 3, SEQ_LEN, TOY.dim)
     assert cache.features[0].dtype == np.float16 and cache.labels[0].dtype == np.int32
-    rows = np.asarray([0, 17, 39, 5, -1, 33, 12, 20])  # across chunks, one empty row
+    rows = np.asarray([0, 17, 39, 5, -1, 33, 12, 20])  # across shards, one empty row
     fresh = train.target_batch(target.params, TOY, layers, data.batch(rows))
     features, labels = cache.rows(rows)
     for i, feature in enumerate(fresh["features"]):
@@ -53,22 +58,25 @@ def test_feature_cache_holds_the_targets_half_and_is_built_once(toy, tmp_path):
         np.testing.assert_allclose(features[:, i], np.where(rows[:, None, None] < 0, 0, feature), rtol=2 ** -11, atol=1e-6)
     np.testing.assert_array_equal(labels, np.where(rows[:, None] < 0, 0, fresh["labels"]))
 
-    stamps = {p.name: p.stat().st_mtime_ns for p in directory.glob("*.npy")}
-    (directory / "labels_00001.npy").unlink()  # an interrupted build
-    again = train.cache_features(target, data, layers, directory, batch_size=8, chunk_rows=16)
-    after = {p.name: p.stat().st_mtime_ns for p in directory.glob("*.npy")}
-    assert {name for name in stamps if after[name] != stamps[name]} <= {"features_00001.npy", "labels_00001.npy"}
-    assert after["features_00000.npy"] == stamps["features_00000.npy"]
+    stamps = _stamps(directory)
+    (directory / "rows_00001.npy").unlink()  # an interrupted build: shard 1's rows were never committed
+    again = train.cache_features(target, data, layers, directory, chunk_rows=16)
+    after = _stamps(directory)
+    assert set(after) == set(stamps) - {"features_00001.npy", "labels_00001.npy", "rows_00001.npy"} | {
+        "features_00003.npy", "labels_00003.npy", "rows_00003.npy"}  # its rows again, as a new shard
+    assert all(after[name] == stamps[name] for name in after if name in stamps)
+    assert again.features[2].shape[0] == 16
+    np.testing.assert_array_equal(again.rows(rows)[0], features)
     np.testing.assert_array_equal(again.rows(rows)[1], labels)
-    stamps = {p.name: p.stat().st_mtime_ns for p in directory.glob("*.npy")}
-    subset = train.cache_features(target, data, layers[:1], directory, batch_size=8, chunk_rows=32)
-    assert stamps == {p.name: p.stat().st_mtime_ns for p in directory.glob("*.npy")}  # read out of the cache
+    stamps = _stamps(directory)
+    subset = train.cache_features(target, data, layers[:1], directory, chunk_rows=32)
+    assert stamps == _stamps(directory)  # read out of the cache
     np.testing.assert_array_equal(subset.rows(rows, layers[:1])[0], features[:, :1])
-    other = train.cache_features(target, data, (TOY.num_layers,), directory, batch_size=8, chunk_rows=16)
+    other = train.cache_features(target, data, (TOY.num_layers,), directory, chunk_rows=16)
     assert other.layers == (TOY.num_layers,) and other.features[0].shape[1] == 1  # rebuilt, not misread
     # The same config with int8 weights is another trunk: its cache is rebuilt from its own pass.
     int8 = jaxspec.convert_weights(target, "int8")
-    rebuilt = train.cache_features(int8, data, layers, directory, batch_size=8, chunk_rows=16)
+    rebuilt = train.cache_features(int8, data, layers, directory, chunk_rows=16)
     assert json.loads((directory / train.FEATURE_META).read_text())["target_weights"] == "int8"
     fresh8 = train.target_batch(int8.params, TOY, layers, data.batch(rows))
     features8, labels8 = rebuilt.rows(rows)
@@ -76,8 +84,39 @@ def test_feature_cache_holds_the_targets_half_and_is_built_once(toy, tmp_path):
     np.testing.assert_allclose(features8[:, 0], np.where(rows[:, None, None] < 0, 0, fresh8["features"][0]),
                                rtol=2 ** -11, atol=1e-6)
     assert np.abs(features8[:, -1].astype(np.float32) - features[:, -1].astype(np.float32)).max() > 1e-3
-    with pytest.raises(jaxspec.InvalidRequestError, match="multiple of batch_size"):
-        train.cache_features(target, data, layers, directory, batch_size=8, chunk_rows=12)
+    with pytest.raises(jaxspec.InvalidRequestError, match="chunk_rows"):
+        train.cache_features(target, data, layers, directory, chunk_rows=0)
+
+
+def test_a_cache_serves_any_data_holding_its_rows(toy, tmp_path):
+    """Rows are found by their tokens: data that shares rows with a cached Dataset (a corpus's
+    union of rounds, say) computes only its new rows, in one forward per shape whatever the
+    tokens per forward, and reads every row as a fresh target pass gives it; a repeated row is
+    computed once."""
+    target, _, _, data = toy
+    layers = eagle3.target_hidden_layers((0, 1, 1))
+    directory = tmp_path / "features"
+    first = data.subset(np.arange(0, 24))
+    train.cache_features(target, first, layers, directory, chunk_rows=16)
+    stamps = _stamps(directory)
+    # The union: rows 12..39 of the data (12 of them cached), two of its rows changed after the
+    # prompt (new rows), and row 30 twice.
+    picked = np.concatenate([np.arange(12, 40), [30]])
+    tokens, lengths = data.tokens[picked].copy(), data.lengths[picked].copy()
+    tokens[[0, 5], lengths[[0, 5]] - 1] = (tokens[[0, 5], lengths[[0, 5]] - 1] + 3) % CYCLE
+    union = train.Dataset(tokens, lengths, data.prompt_lengths[picked])
+    cache = train.cache_features(target, union, layers, directory, chunk_rows=16, tokens_per_forward=SEQ_LEN)
+    after = _stamps(directory)
+    assert all(after[name] == stamps[name] for name in stamps)
+    assert len(after) - len(stamps) == 3 * 2  # 16 + 2 new rows: two new shards
+    assert sum(chunk.shape[0] for chunk in cache.labels) == 24 + 16 + 2
+    assert tuple(cache.place[-1]) == tuple(cache.place[30 - 12])  # the repeated row: one place
+    rows = np.arange(len(union))
+    fresh = train.target_batch(target.params, TOY, layers, union.batch(rows))
+    features, labels = cache.rows(rows)
+    np.testing.assert_array_equal(labels, fresh["labels"])
+    for i, feature in enumerate(fresh["features"]):
+        np.testing.assert_allclose(features[:, i], feature, rtol=2 ** -11, atol=1e-6)
 
 
 def test_batches_cut_to_their_bucket_width_score_as_the_whole_window(toy, tmp_path):
@@ -115,9 +154,8 @@ def test_batches_cut_to_their_bucket_width_score_as_the_whole_window(toy, tmp_pa
         np.testing.assert_allclose(result["top1_by_step"], results[0]["top1_by_step"], atol=0.02)
     np.testing.assert_allclose(results[1]["loss"], results[0]["loss"], rtol=1e-5)  # fresh passes: only rounding
     np.testing.assert_allclose(results[3]["loss"], results[2]["loss"], rtol=1e-5)  # the same cache, cut or not
-    # The cache stores length-ordered chunks, each only as wide as its widest row.
-    cache = train.cache_features(target, short, hidden, tmp_path / "narrow", batch_size=8, chunk_rows=8,
-                                 bucket_width=8)
+    # The cache stores length-ordered shards, each only as wide as its widest row.
+    cache = train.cache_features(target, short, hidden, tmp_path / "narrow", chunk_rows=8, bucket_width=8)
     by_length = widths[np.argsort(lengths, kind="stable")]
     assert [chunk.shape[1] for chunk in cache.labels] == [int(by_length[c * 8: c * 8 + 8].max()) for c in range(5)]
     assert cache.labels[0].shape[1] == 16 < SEQ_LEN

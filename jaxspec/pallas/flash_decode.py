@@ -65,6 +65,8 @@ MAX_KERNEL_QUERIES = 128
 # queries per kv head, query-major above. XLA:CPU runs a decode or verify step's products far
 # faster cache-major and a prefill's query-major (bench/attention.py measures both).
 CACHE_MAJOR_MAX_QUERIES = MAX_KERNEL_QUERIES
+# Above that, the reference attends a block of this many queries at a time (_prefill_attention).
+PREFILL_QUERY_BLOCK = 128
 
 
 class Attention(Choice):
@@ -167,7 +169,8 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
                            query_positions: jax.Array | None = None, scale: float | None = None,
                            block_s: int = 0, split_size: int = 0, interpret: bool = False) -> jax.Array:
     """Masked softmax attention in float32 jnp: the whole cache, dequantized, in two einsums
-    (the first cache-major for decode and verify sizes, where XLA:CPU runs it fastest).
+    (the first cache-major for decode and verify sizes, where XLA:CPU runs it fastest; a prefill
+    a block of queries at a time, over the slots each block can reach: _prefill_attention).
 
     q: [B, T, K, G, H]; keys, values: [B, K, S, H] in any KV format; lengths: int32[B];
     mask: a `TreeMask` in place of the causal rule; window, query_positions: a sliding window
@@ -183,24 +186,51 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
     queries = _grouped(q.astype(jnp.float32))  # [B, K, G*T, H]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     precision = _reference_precision()
-    if queries.shape[2] <= CACHE_MAJOR_MAX_QUERIES:
-        # Decode and verify: the cache is the large operand. Left to itself XLA:CPU lays the
-        # product out for the softmax that follows (query-major) and contracts the cache over
-        # its minor axis H slowly; computed cache-major, with a barrier that keeps that layout,
-        # a whole B = 64 int8 decode step over 768 slots runs 2.2x faster, over 384 1.3x, a
-        # B = 8 verify 1.1x, batch 1 1.02-1.07x (bench/attention.py).
-        scores = jax.lax.optimization_barrier(
-            jnp.einsum("BKSH,BKQH->BKSQ", keys, queries * scale, precision=precision))
-        scores = jnp.swapaxes(scores, -1, -2)  # [B, K, Q, S]
-    else:
-        scores = jnp.einsum("BKQH,BKSH->BKQS", queries * scale, keys, precision=precision)
     visible = mask_visible(mask, lengths, steps, jnp.arange(capacity), window=window,
                            query_positions=query_positions)  # [B, T, S]
+    if queries.shape[2] > CACHE_MAJOR_MAX_QUERIES:
+        return _prefill_attention(q, keys, values, visible, scale, precision)
+    # Decode and verify: the cache is the large operand. Left to itself XLA:CPU lays the
+    # product out for the softmax that follows (query-major) and contracts the cache over
+    # its minor axis H slowly; computed cache-major, with a barrier that keeps that layout,
+    # a whole B = 64 int8 decode step over 768 slots runs 2.2x faster, over 384 1.3x, a
+    # B = 8 verify 1.1x, batch 1 1.02-1.07x (bench/attention.py).
+    scores = jax.lax.optimization_barrier(
+        jnp.einsum("BKSH,BKQH->BKSQ", keys, queries * scale, precision=precision))
+    scores = jnp.swapaxes(scores, -1, -2)  # [B, K, Q, S]
     visible = jnp.tile(visible, (1, group, 1))  # [B, G*T, S]: rows (g, t)
     scores = jnp.where(visible[:, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BKQS,BKSH->BKQH", probs, values, precision=precision)
     return _ungrouped(out, steps)
+
+
+def _prefill_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array, scale: float,
+                       precision) -> jax.Array:
+    """The reference for a prefill-sized T, query-major, a block of PREFILL_QUERY_BLOCK queries at
+    a time, each over the slots it can reach only.
+
+    Query t of a row sits at slot lengths + t <= S - T + t (its T entries fit in the cache) and
+    no rule (causal, tree, window) shows it a later slot, so block [t0, t1) reads slots
+    [0, S - T + t1) and the rest, all masked, are never computed: a forward over a fresh cache
+    of its own length (a training feature pass) does half the causal products, and each block's
+    scores [B, K, G, 128, S'] stay small where a 1,024-token window's whole [B, K, G*T, S] did not
+    (bench/attention.py: 2x on SmolLM2's attention at 8 x 1,024). Every query's masked slots
+    weigh exactly 0 either way, so only the products' summation order can differ.
+    q: [B, T, K, G, H]; keys, values: [B, K, S, H] float32; visible: bool[B, T, S].
+    Returns float32 [B, T, K, G, H]."""
+    steps, capacity = q.shape[1], keys.shape[2]
+    queries = jnp.transpose(q.astype(jnp.float32), (0, 2, 3, 1, 4)) * scale  # [B, K, G, T, H]
+    blocks = []
+    for first in range(0, steps, PREFILL_QUERY_BLOCK):
+        last = min(steps, first + PREFILL_QUERY_BLOCK)
+        reach = capacity - steps + last  # slots this block's queries can see
+        scores = jnp.einsum("BKGQH,BKSH->BKGQS", queries[:, :, :, first:last], keys[:, :, :reach],
+                            precision=precision)
+        scores = jnp.where(visible[:, None, None, first:last, :reach], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1)
+        blocks.append(jnp.einsum("BKGQS,BKSH->BKGQH", probs, values[:, :, :reach], precision=precision))
+    return jnp.transpose(jnp.concatenate(blocks, axis=3), (0, 3, 1, 2, 4))
 
 
 # --- kernel ------------------------------------------------------------------------------------

@@ -1,21 +1,22 @@
 """The target's half of a training batch: its hidden features and its own next-token labels.
 
 `target_batch` runs the target over a batch (one jitted program for every batch of a shape);
-`FeatureCache` / `cache_features` keep its output for every row of a Dataset on disk, computed
-once, so each training step costs only the head. `target_source` is what the training loop reads
+`FeatureCache` / `cache_features` keep its output for every row on disk, computed once (a row
+is found by its tokens, so one cache serves every Dataset holding it), so each training step
+costs only the head. `target_source` is what the training loop reads
 batches through: from the run's cache (the default), or a fresh target pass per batch (soft
 labels need the target's whole distribution, which the cache does not keep).
 
-A cache is only read for the data and target it was built from (recorded in its meta.json), and
-it never holds a non-finite value: a float16 overflow raises UnsupportedModelError.
+A cache is only read for the target it was built by (recorded in its meta.json), and it never
+holds a non-finite value: a float16 overflow raises UnsupportedModelError.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
-import math
 import os
 import pathlib
 from typing import Any
@@ -62,38 +63,44 @@ def target_batch(target_params: Any, target_cfg, hidden_layers: tuple[int, ...],
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FeatureCache:
-    """The target's half of every row of a Dataset, computed once and kept on disk in chunks.
+    """The target's half of every row it has seen, computed once and kept on disk in shards,
+    found by each row's content: the tokens of the row (`row_keys`).
 
     Recomputing the target per step costs a full forward over B x T tokens (for SmolLM2-135M at
     8 x 256, ~0.55 TFLOP: more than the head's forward and backward); cached, each epoch after the
-    first costs only the head. Rows are stored in order of length, `chunk_rows` to a chunk, each
-    chunk only as wide as its longest row needs (`bucket_widths`), so a corpus of short answers in
-    a long window costs its tokens, not rows x window. Per chunk, two memory-mapped .npy files:
+    first costs only the head. Because a row is found by its tokens, not by its place in one
+    Dataset, a cache serves any data whose rows it holds: a corpus growing a round at a time
+    computes each round's rows once, and a run on the union of rounds reads them all (the feature
+    pass is ~75 min of this repository's 2-core CPU per round). Rows missing from the cache are
+    computed in shards of `chunk_rows`, in order of length, each shard only as wide as its longest
+    row needs (`bucket_widths`), so short answers in a long window cost their tokens, not rows x
+    window. Per shard n, three memory-mapped .npy files:
 
-        features_{c}.npy   float16[n, F, W_c, D]   the target's hidden layers (F = len(hidden_layers))
-        labels_{c}.npy     int32[n, W_c]           the target's next-token argmax per position
+        features_{n}.npy   float16[r, F, W_n, D]   the target's hidden layers (F = len(layers))
+        labels_{n}.npy     int32[r, W_n]           the target's next-token argmax per position
+        rows_{n}.npy       uint8[r, 16]            each row's key (written last: the shard's commit)
 
     float16 halves the bytes of float32 (SmolLM2's residual stream stays far inside its range;
-    a chunk that overflows is refused). `meta.json` records the data fingerprint, the layers, the
-    layout and the target, so a cache built for other data or another target is never read; one
-    built with more layers serves any subset of them (an EAGLE-3 and an MTP head can share one
-    cache). A chunk appears atomically (written aside, then renamed), so an interrupted build
-    resumes at the next chunk.
+    a shard that overflows is refused). `meta.json` records the layers, the layout and the target
+    (its config and weight format), so a cache built by another target is never read; one built
+    with more layers serves any subset of them (an EAGLE-3 and an MTP head can share one cache).
+    A file appears atomically (written aside, then renamed) and a shard counts only once its row
+    keys are written, so an interrupted build resumes at the shard it was writing. One process
+    builds a cache at a time.
     """
 
     directory: pathlib.Path
-    chunk_rows: int
     layers: tuple[int, ...]  # the hidden layers stored, in order
-    features: tuple[np.ndarray, ...]  # per chunk float16[n, F, W_c, D] (memory-mapped)
-    labels: tuple[np.ndarray, ...]  # per chunk int32[n, W_c]
-    slot: np.ndarray  # int64[N]: data row -> its place in length order (chunk = slot // chunk_rows)
+    features: tuple[np.ndarray, ...]  # per shard float16[r, F, W_n, D] (memory-mapped)
+    labels: tuple[np.ndarray, ...]  # per shard int32[r, W_n]
+    place: np.ndarray  # int64[N, 2]: data row -> (shard, row within it)
     seq_len: int  # the data's window
 
     def rows(self, indices: np.ndarray, layers: tuple[int, ...] | None = None,
              width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(float32[B, F', W, D], int32[B, W]) for data rows `indices` and `layers` (default: all
         stored), `width` positions wide (default the window); -1 gives a zero row. Positions past
-        a row's chunk width (past its end: padding) are zero."""
+        a row's shard width (past its end: padding) are zero."""
         select = [self.layers.index(layer) for layer in (layers or self.layers)]
         width = self.seq_len if width is None else width
         indices = np.asarray(indices)
@@ -102,15 +109,30 @@ class FeatureCache:
         for out, index in enumerate(indices):
             if index < 0:
                 continue
-            chunk, offset = divmod(int(self.slot[index]), self.chunk_rows)
-            stored = min(width, self.labels[chunk].shape[1])
-            feats[out, :, :stored] = self.features[chunk][offset, select, :stored]
-            labels[out, :stored] = self.labels[chunk][offset, :stored]
+            shard, offset = (int(x) for x in self.place[index])
+            stored = min(width, self.labels[shard].shape[1])
+            feats[out, :, :stored] = self.features[shard][offset, select, :stored]
+            labels[out, :stored] = self.labels[shard][offset, :stored]
         return feats, labels
 
 
 FEATURE_META = "meta.json"
-FEATURE_LAYOUT = "by_length/1"  # rows in length order, chunks as wide as their rows need
+FEATURE_LAYOUT = "by_row/2"  # shards found by row content, each as wide as its rows need
+ROW_KEY_BYTES = 16
+# Rows per target forward: as many as fill this many tokens (a power of two, at least one). Batch
+# 8 at a 1,024-token window ran at 87 tokens/s here against 145-160 at batch 2 (bench/RESULTS.md,
+# "Prefill attention in query blocks"): past a few thousand tokens the activations fall out of cache.
+TOKENS_PER_FORWARD = 2048
+
+
+def row_keys(data: Dataset) -> np.ndarray:
+    """uint8[N, 16]: each row's key, a hash of its tokens (the target's features and labels at a
+    row's positions depend on them alone: attention is causal, padding follows)."""
+    keys = np.empty((len(data), ROW_KEY_BYTES), np.uint8)
+    for row, (tokens, length) in enumerate(zip(data.tokens, data.lengths)):
+        digest = hashlib.blake2b(np.ascontiguousarray(tokens[:length], np.int32).tobytes(), digest_size=ROW_KEY_BYTES)
+        keys[row] = np.frombuffer(digest.digest(), np.uint8)
+    return keys
 
 
 def target_identity(target: Model) -> dict[str, str]:
@@ -119,51 +141,71 @@ def target_identity(target: Model) -> dict[str, str]:
     return {"target_config": repr(target.config), "target_weights": quant.format_of(target.params).value}
 
 
+def _save_atomically(path: pathlib.Path, array: np.ndarray) -> None:
+    aside = path.with_suffix(".partial.npy")
+    np.save(aside, array)
+    os.replace(aside, path)
+
+
+def _forward_rows(width: int, tokens_per_forward: int) -> int:
+    return 1 << max(0, (tokens_per_forward // width).bit_length() - 1)
+
+
 def cache_features(target: Model, data: Dataset, hidden_layers: tuple[int, ...], directory: str | os.PathLike[str],
-                   *, batch_size: int = 8, chunk_rows: int = 64, bucket_width: int = 256,
+                   *, chunk_rows: int = 64, bucket_width: int = 256, tokens_per_forward: int = TOKENS_PER_FORWARD,
                    progress: bool = False) -> FeatureCache:
-    """Run the target over every row of `data` once (batches of `batch_size`, one compile per
-    width) and keep its `hidden_layers` and next-token argmax in `directory` (see FeatureCache;
-    chunk widths are multiples of `bucket_width`, 0: the whole window). Chunks already there for
-    the same data, layout and target, holding these layers or more, are reused."""
+    """Run the target over every row of `data` that `directory` does not hold yet (see
+    FeatureCache: new shards of `chunk_rows` rows, widths multiples of `bucket_width`, 0: the
+    whole window; forwards of about `tokens_per_forward` tokens, one compile per shape) and keep
+    its `hidden_layers` and next-token argmax there. A cache built by the same target and weights,
+    holding these layers or more, is extended; any other is rebuilt."""
     from tqdm.auto import tqdm
 
-    if chunk_rows % batch_size:
-        raise InvalidRequestError(f"chunk_rows ({chunk_rows}) must be a multiple of batch_size ({batch_size})")
+    for name, value in (("chunk_rows", chunk_rows), ("tokens_per_forward", tokens_per_forward)):
+        if not isinstance(value, int) or value < 1:
+            raise InvalidRequestError(f"{name} must be an integer >= 1; got {value!r}")
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    meta = {"data": data.fingerprint(), **target_identity(target), "dtype": "float16", "layout": FEATURE_LAYOUT, "bucket_width": bucket_width, "hidden_layers": list(hidden_layers),
-            "chunk_rows": chunk_rows}
+    meta = {**target_identity(target), "dtype": "float16", "layout": FEATURE_LAYOUT, "hidden_layers": list(hidden_layers)}
     meta_path = directory / FEATURE_META
     if meta_path.is_file():
         saved = json.loads(meta_path.read_text(encoding="utf-8"))
-        same_source = all(saved.get(key) == meta[key]
-                          for key in ("data", "target_config", "target_weights", "dtype", "layout"))
+        same_source = all(saved.get(key) == meta[key] for key in ("target_config", "target_weights", "dtype", "layout"))
         if same_source and set(hidden_layers) <= set(saved.get("hidden_layers", ())):
-            meta = saved  # this data's cache, with our layers among its own: read ours out of it
+            meta = saved  # this target's cache, with our layers among its own: read ours out of it
         else:
-            for stale in directory.glob("*.npy"):  # built for other data, layers, target or weights
+            for stale in directory.glob("*.npy"):  # built by another target, weights, layout or layers
                 stale.unlink()
     meta_path.write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    stored, chunk_rows = tuple(meta["hidden_layers"]), int(meta["chunk_rows"])
-    if chunk_rows % batch_size:  # a reused cache's chunks: fill them in whole batches still
-        batch_size = math.gcd(batch_size, chunk_rows)
-    order = np.argsort(data.lengths, kind="stable")  # slot -> data row
-    slot = np.empty(len(data), np.int64)
-    slot[order] = np.arange(len(data))
-    widths = bucket_widths(data.lengths, int(meta["bucket_width"]), data.seq_len)
-    num_chunks = -(-len(data) // chunk_rows)
-    names = [(directory / f"features_{c:05d}.npy", directory / f"labels_{c:05d}.npy") for c in range(num_chunks)]
-    todo = [c for c, (feat, lab) in enumerate(names) if not (feat.is_file() and lab.is_file())]
-    with tqdm(total=len(data), initial=len(data) - sum(min(chunk_rows, len(data) - c * chunk_rows) for c in todo),
-              desc="target features", unit="row", disable=not progress) as bar:
-        for chunk in todo:
-            rows = order[chunk * chunk_rows: (chunk + 1) * chunk_rows].tolist()
+    stored = tuple(meta["hidden_layers"])
+
+    # The shards already there; one without its row keys was interrupted, and its rows are computed anew.
+    shards = sorted(int(path.stem.split("_")[1]) for path in directory.glob("rows_*.npy")
+                    if not path.stem.endswith(".partial"))
+    for orphan in directory.glob("*.npy"):
+        if orphan.stem.endswith(".partial") or int(orphan.stem.split("_")[1]) not in shards:
+            orphan.unlink()
+    index = {}  # row key -> (shard, row within it)
+    for shard in shards:
+        for offset, key in enumerate(np.load(directory / f"rows_{shard:05d}.npy")):
+            index.setdefault(key.tobytes(), (shard, offset))
+    keys = row_keys(data)
+    missing = {}  # row key -> the first data row with it, for rows the cache lacks
+    for row, key in enumerate(keys):
+        if key.tobytes() not in index:
+            missing.setdefault(key.tobytes(), row)
+    todo = np.asarray(sorted(missing.values(), key=lambda row: (int(data.lengths[row]), row)), np.int64)
+    widths = bucket_widths(data.lengths, bucket_width, data.seq_len)
+    next_shard = shards[-1] + 1 if shards else 0
+    with tqdm(total=len(todo), desc="target features", unit="row", disable=not progress or not len(todo)) as bar:
+        for first in range(0, len(todo), chunk_rows):
+            rows = todo[first: first + chunk_rows].tolist()
             width = int(widths[rows].max())  # the longest row's (the rows are in length order)
+            per_forward = _forward_rows(width, tokens_per_forward)
             feats, labels = [], []
-            for first in range(0, len(rows), batch_size):
-                indices = rows[first: first + batch_size]
-                padded = indices + [-1] * (batch_size - len(indices))
+            for start in range(0, len(rows), per_forward):
+                indices = rows[start: start + per_forward]
+                padded = indices + [-1] * (per_forward - len(indices))
                 out = target_batch(target.params, target.config, stored, data.batch(padded, width))
                 stacked = np.stack([np.asarray(f) for f in out["features"]], axis=1)  # [B, F, W, D]
                 feats.append(stacked[: len(indices)].astype(np.float16))
@@ -172,16 +214,23 @@ def cache_features(target: Model, data: Dataset, hidden_layers: tuple[int, ...],
             feats, labels = np.concatenate(feats), np.concatenate(labels)
             if not np.isfinite(feats).all():
                 raise UnsupportedModelError(
-                    f"the target's hidden states overflow float16 in chunk {chunk}; "
+                    "the target's hidden states overflow float16 in this data; "
                     "train without the feature cache (cache_features=False)")
-            for path, array in zip(names[chunk], (feats, labels)):
-                aside = path.with_suffix(".partial.npy")
-                np.save(aside, array)
-                os.replace(aside, path)
-    return FeatureCache(directory=directory, chunk_rows=chunk_rows, layers=stored,
-                        features=tuple(np.load(feat, mmap_mode="r") for feat, _ in names),
-                        labels=tuple(np.load(lab, mmap_mode="r") for _, lab in names), slot=slot,
-                        seq_len=data.seq_len)
+            shard = next_shard
+            next_shard += 1
+            _save_atomically(directory / f"features_{shard:05d}.npy", feats)
+            _save_atomically(directory / f"labels_{shard:05d}.npy", labels)
+            _save_atomically(directory / f"rows_{shard:05d}.npy", keys[rows])  # the shard now counts
+            shards.append(shard)
+            for offset, row in enumerate(rows):
+                index[keys[row].tobytes()] = (shard, offset)
+    slot_of = {shard: i for i, shard in enumerate(shards)}
+    place = np.asarray([(slot_of[index[key.tobytes()][0]], index[key.tobytes()][1]) for key in keys],
+                       np.int64).reshape(len(data), 2)
+    return FeatureCache(directory=directory, layers=stored,
+                        features=tuple(np.load(directory / f"features_{s:05d}.npy", mmap_mode="r") for s in shards),
+                        labels=tuple(np.load(directory / f"labels_{s:05d}.npy", mmap_mode="r") for s in shards),
+                        place=place, seq_len=data.seq_len)
 
 
 def _targets(target_params: Any, frozen: Frozen, batch: dict[str, jax.Array], spec: StepSpec) -> dict[str, Any]:
@@ -200,9 +249,7 @@ def target_source(target: Model, data: Dataset, frozen: Frozen, spec: StepSpec, 
     # The cache also keeps the final-normed stream (layer L, an MTP head's input), which the
     # forward computes anyway: an EAGLE-3 run's cache then serves an MTP run on the same data.
     layers = tuple(dict.fromkeys(spec.hidden_layers + (target.config.num_layers,)))
-    cache = cache_features(target, data, layers, feature_dir, batch_size=cfg.batch_size,
-                           chunk_rows=cfg.batch_size * max(1, 64 // cfg.batch_size), bucket_width=cfg.bucket_width,
-                           progress=progress)
+    cache = cache_features(target, data, layers, feature_dir, bucket_width=cfg.bucket_width, progress=progress)
 
     def targets_for(rows, width):
         batch = data.batch(rows, width)

@@ -1,0 +1,112 @@
+"""Prefill attention on XLA:CPU: the whole [T, S] score matrix at once against a block of 128
+queries at a time over the slots each block can reach, in whole forwards of the default model.
+
+    . .venv/bin/activate && python bench/prefill_attention.py
+    . .venv/bin/activate && python bench/prefill_attention.py --calls 1 --no-write   # a quick look
+
+`flash_decode_reference` attends a prefill-sized T (more than `CACHE_MAJOR_MAX_QUERIES` queries per
+kv head) `PREFILL_QUERY_BLOCK` queries at a time (`_prefill_attention`): block [t0, t1) reads
+slots [0, S - T + t1) only. This script times one trunk forward with that block and with one block
+holding all T (the whole matrix, as before blocks), each compiled as its own program (the block
+is read while tracing), in the shapes that matter: the training feature pass (a fresh cache as
+long as the window: rows of 256, 512 and 1,024 tokens at batch 2, and 1,024 at batch 8, which
+shows why the pass runs forwards of about 2,048 tokens: `features.TOKENS_PER_FORWARD`) and a
+generation prefill of 1,024 prompt tokens into a cache with room for 512 more. Forwards run as bench/forward_cost.py runs them, interleaved across variants, medians over
+`--calls`. The table replaces the `## Prefill attention in query blocks
+(bench/prefill_attention.py)` section of bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import pathlib
+import platform
+
+from forward_cost import forward_costs  # bench/ is on sys.path when a bench script runs
+from results_md import publish
+
+HERE = pathlib.Path(__file__).resolve().parent
+DEFAULT_RESULTS = HERE / "RESULTS.md"
+SECTION = "## Prefill attention in query blocks (bench/prefill_attention.py)"
+RERUN = ". .venv/bin/activate && python bench/prefill_attention.py"
+
+# (what, batch, T, capacity): every forward starts at an empty cache (length 0).
+CASES = (
+    ("feature pass", 2, 256, 256),
+    ("feature pass", 2, 512, 512),
+    ("feature pass", 2, 1024, 1024),
+    ("feature pass", 8, 1024, 1024),
+    ("generation prefill", 1, 1024, 1536),
+)
+WHOLE = "whole matrix"
+BLOCKED = "blocks of 128"
+
+
+@contextlib.contextmanager
+def query_block(variant: str):
+    """Trace with the reference attending `variant`'s query blocks (BLOCKED: the shipped size)."""
+    from jaxspec.pallas import flash_decode
+
+    shipped = flash_decode.PREFILL_QUERY_BLOCK
+    flash_decode.PREFILL_QUERY_BLOCK = shipped if variant == BLOCKED else 1 << 30
+    try:
+        yield
+    finally:
+        flash_decode.PREFILL_QUERY_BLOCK = shipped
+
+
+def measure(args) -> dict:
+    """{(case, variant): median seconds of one forward}."""
+    import jaxspec
+    from jaxspec.pallas import flash_decode
+
+    assert flash_decode.PREFILL_QUERY_BLOCK == 128, "the table's heading names the shipped block"
+    model = jaxspec.load()
+    costs = {}
+    for case in CASES:
+        _, batch, steps, capacity = case
+        variants = {variant: (model.params, model.config, steps) for variant in (WHOLE, BLOCKED)}
+        under = {variant: (lambda variant=variant: query_block(variant)) for variant in variants}
+        print(f"{case}: compiling, then {args.calls} timed rounds", flush=True)
+        for variant, seconds in forward_costs(variants, capacity, 0, args.calls, iters=1, batch=batch,
+                                              compile_under=under).items():
+            costs[(case, variant)] = seconds
+    return costs
+
+
+def build_section(args, costs: dict, load: tuple[float, float]) -> str:
+    lines = [SECTION, "",
+             f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
+             f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end). One forward of the default "
+             f"model (SmolLM2-135M-Instruct, f32) from an empty cache, median over {args.calls} calls, the two "
+             "variants interleaved.", "",
+             f"Rerun: `{RERUN}`", "",
+             "| forward | batch | T | cache slots | whole matrix s | blocks of 128 s | speed-up | tokens/s (blocks) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for case in CASES:
+        what, batch, steps, capacity = case
+        whole, blocked = costs[(case, WHOLE)], costs[(case, BLOCKED)]
+        lines.append(f"| {what} | {batch} | {steps} | {capacity} | {whole:.2f} | {blocked:.2f} | "
+                     f"{whole / blocked:.2f}x | {batch * steps / blocked:.0f} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=3, help="timed calls per variant (median)")
+    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
+    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
+    args = parser.parse_args()
+
+    start_load = os.getloadavg()[0]
+    costs = measure(args)
+    section = build_section(args, costs, (start_load, os.getloadavg()[0]))
+    publish(section, SECTION, args.results, write=not args.no_write)
+
+
+if __name__ == "__main__":
+    main()
