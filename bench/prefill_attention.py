@@ -1,5 +1,6 @@
 """Prefill attention on XLA:CPU: the whole [T, S] score matrix at once against a block of 128
-queries at a time over the slots each block can reach, in whole forwards of the default model.
+queries at a time over the slots each block can reach, in whole forwards of the default model
+and in the training-time test's attention.
 
     . .venv/bin/activate && python bench/prefill_attention.py
     . .venv/bin/activate && python bench/prefill_attention.py --calls 1 --no-write   # a quick look
@@ -11,8 +12,12 @@ holding all T (the whole matrix, as before blocks), each compiled as its own pro
 is read while tracing), in the shapes that matter: the training feature pass (a fresh cache as
 long as the window: rows of 256, 512 and 1,024 tokens at batch 2, and 1,024 at batch 8, which
 shows why the pass runs forwards of about 2,048 tokens: `features.TOKENS_PER_FORWARD`) and a
-generation prefill of 1,024 prompt tokens into a cache with room for 512 more. Forwards run as bench/forward_cost.py runs them, interleaved across variants, medians over
-`--calls`. The table replaces the `## Prefill attention in query blocks
+generation prefill of 1,024 prompt tokens into a cache with room for 512 more. Forwards run as
+bench/forward_cost.py runs them, interleaved across variants, medians over `--calls`. A second
+table times the training-time test's attention (`models.draft_chain.chain_attention`, the same
+blocking of the context's causal attention), forward and backward of one deeper depth of an
+EAGLE-3 head over SmolLM2's attention shape (3 kv heads of 3 queries, head dim 64, 6 deeper
+depths). The tables replace the `## Prefill attention in query blocks
 (bench/prefill_attention.py)` section of bench/RESULTS.md.
 """
 
@@ -77,7 +82,38 @@ def measure(args) -> dict:
     return costs
 
 
-def build_section(args, costs: dict, load: tuple[float, float]) -> str:
+# (batch, T): the training batches the chain attention is timed at.
+CHAIN_CASES = ((8, 512), (8, 1024))
+
+
+def measure_chain(args) -> dict:
+    """{(case, variant): median seconds of one chain attention's forward and backward}."""
+    import jax
+    import jax.numpy as jnp
+    from forward_cost import median_seconds
+
+    from jaxspec.models.draft_chain import QUERY_BLOCK, DraftChain, chain_attention
+
+    heads, group, head_dim, depths = 3, 3, 64, 6
+    costs = {}
+    for batch, steps in CHAIN_CASES:
+        keys = jax.random.split(jax.random.PRNGKey(0), 5)
+        q = jax.random.normal(keys[0], (batch, steps, heads, group, head_dim))
+        context = [jax.random.normal(k, (batch, heads, steps, head_dim)) for k in keys[1:3]]
+        deeper = [jax.random.normal(k, (depths, batch, heads, steps, head_dim)) for k in keys[3:5]]
+
+        def loss(q, context, deeper, query_block):
+            chains = [DraftChain(context=c, deeper=d, depth=jnp.int32(3)) for c, d in zip(context, deeper)]
+            return jnp.sum(jnp.sin(chain_attention(q, *chains, query_block=query_block)))
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+        print(f"chain attention {batch} x {steps}: compiling, then {args.calls} timed calls", flush=True)
+        for variant, block in ((WHOLE, steps), (BLOCKED, QUERY_BLOCK)):
+            costs[((batch, steps), variant)] = median_seconds(step, q, context, deeper, block, repeats=args.calls)
+    return costs
+
+
+def build_section(args, costs: dict, chain_costs: dict, load: tuple[float, float]) -> str:
     lines = [SECTION, "",
              f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
              f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end). One forward of the default "
@@ -91,6 +127,12 @@ def build_section(args, costs: dict, load: tuple[float, float]) -> str:
         whole, blocked = costs[(case, WHOLE)], costs[(case, BLOCKED)]
         lines.append(f"| {what} | {batch} | {steps} | {capacity} | {whole:.2f} | {blocked:.2f} | "
                      f"{whole / blocked:.2f}x | {batch * steps / blocked:.0f} |")
+    lines += ["", "The training-time test's attention, one deeper depth, forward and backward "
+              f"(median over {args.calls} calls):", "",
+              "| batch | T | whole matrix s | blocks of 128 s | speed-up |", "|---:|---:|---:|---:|---:|"]
+    for case in CHAIN_CASES:
+        whole, blocked = chain_costs[(case, WHOLE)], chain_costs[(case, BLOCKED)]
+        lines.append(f"| {case[0]} | {case[1]} | {whole:.2f} | {blocked:.2f} | {whole / blocked:.2f}x |")
     lines.append("")
     return "\n".join(lines)
 
@@ -103,8 +145,8 @@ def main() -> None:
     args = parser.parse_args()
 
     start_load = os.getloadavg()[0]
-    costs = measure(args)
-    section = build_section(args, costs, (start_load, os.getloadavg()[0]))
+    costs, chain_costs = measure(args), measure_chain(args)
+    section = build_section(args, costs, chain_costs, (start_load, os.getloadavg()[0]))
     publish(section, SECTION, args.results, write=not args.no_write)
 
 

@@ -89,3 +89,29 @@ def test_every_unrolled_depth_is_the_chain_inference_drafts(method):
                                    err_msg=f"start {start}, depth {depth}")
     # The deeper depths read the head's own chain, not the context: they are not depth 0 again.
     assert np.abs(trained[1, :, :-1] - trained[0, :, 1:]).max() > 1e-2
+
+
+def test_chain_attention_in_query_blocks_is_the_whole_attention():
+    """The context's causal attention runs a block of queries at a time over the entries the block
+    can reach; in blocks of 4 (T = 9: a short last block) it equals one block of all T, values and
+    gradients, at every depth."""
+    from jaxspec.models.draft_chain import DraftChain, chain_attention
+
+    batch, heads, group, head_dim, depths = 2, 2, 3, 8, 3
+    keys = jax.random.split(jax.random.PRNGKey(5), 5)
+    q = jax.random.normal(keys[0], (batch, STEPS, heads, group, head_dim))
+    context = [jax.random.normal(k, (batch, heads, STEPS, head_dim)) for k in keys[1:3]]
+    deeper = [jax.random.normal(k, (depths, batch, heads, STEPS, head_dim)) for k in keys[3:5]]
+
+    def loss(q, context, deeper, depth, query_block):
+        chains = [DraftChain(context=c, deeper=d, depth=depth) for c, d in zip(context, deeper)]
+        out = chain_attention(q, *chains, query_block=query_block)
+        return jnp.sum(jnp.sin(out)), out
+
+    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    for depth in range(1, depths + 1):
+        (blocked_grads, blocked), (whole_grads, whole) = (grad(q, context, deeper, jnp.int32(depth), block)
+                                                          for block in (4, STEPS))
+        np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-6)
+        for ours, theirs in zip(jax.tree.leaves(blocked_grads), jax.tree.leaves(whole_grads)):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
