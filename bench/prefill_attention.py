@@ -10,15 +10,16 @@ kv head) `PREFILL_QUERY_BLOCK` queries at a time (`_prefill_attention`): block [
 slots [0, S - T + t1) only. This script times one trunk forward with that block and with one block
 holding all T (the whole matrix, as before blocks), each compiled as its own program (the block
 is read while tracing), in the shapes that matter: the training feature pass (a fresh cache as
-long as the window: rows of 256, 512 and 1,024 tokens at batch 2, and 1,024 at batch 8, which
-shows why the pass runs forwards of about 2,048 tokens: `features.TOKENS_PER_FORWARD`) and a
+long as the window: rows of 256, 512 and 1,024 tokens at batch 2, and 1,024 at batch 8) and a
 generation prefill of 1,024 prompt tokens into a cache with room for 512 more. Forwards run as
 bench/forward_cost.py runs them, interleaved across variants, medians over `--calls`. A second
 table times the training-time test's attention (`models.draft_chain.chain_attention`, the same
 blocking of the context's causal attention), forward and backward of one deeper depth of an
 EAGLE-3 head over SmolLM2's attention shape (3 kv heads of 3 queries, head dim 64, 6 deeper
 depths). The tables replace the `## Prefill attention in query blocks
-(bench/prefill_attention.py)` section of bench/RESULTS.md.
+(bench/prefill_attention.py)` section of bench/RESULTS.md. With `--labels` it times the feature
+pass's own forward (`features.target_batch`, whose labels take the argmax of every position's
+logits) at batch 8 and 2 instead, into its own section.
 """
 
 from __future__ import annotations
@@ -113,6 +114,49 @@ def measure_chain(args) -> dict:
     return costs
 
 
+LABELS_SECTION = "## Feature-pass forwards: rows per forward (bench/prefill_attention.py --labels)"
+# (batch, T): a feature-pass forward at the training batch and at features.TOKENS_PER_FORWARD.
+LABELS_CASES = ((8, 1024), (2, 1024))
+
+
+def measure_labels(args) -> dict:
+    """{case: median seconds of one `features.target_batch`}: the pass's own forward, which also
+    takes the argmax of the full-vocabulary logits at every position (float32 [B, T, 49152]:
+    1.6 GB at 8 x 1,024, where the trunk forward above reduces one position's)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from forward_cost import median_seconds
+
+    import jaxspec
+    from jaxspec.train.features import target_batch
+
+    model = jaxspec.load()
+    layers = (1, 14, 26, 30)  # an EAGLE-3 head's three and the final-normed stream, as training caches them
+    costs = {}
+    for batch, steps in LABELS_CASES:
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, steps)), jnp.int32)
+        rows = {"tokens": tokens, "loss_mask": jnp.ones((batch, steps), bool)}
+        print(f"target_batch {batch} x {steps}: compiling, then {args.calls} timed calls", flush=True)
+        costs[(batch, steps)] = median_seconds(lambda: target_batch(model.params, model.config, layers, rows),
+                                               repeats=args.calls)
+    return costs
+
+
+def build_labels_section(args, costs: dict, load: tuple[float, float]) -> str:
+    lines = [LABELS_SECTION, "",
+             f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
+             f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end). One `features.target_batch` "
+             f"(SmolLM2-135M-Instruct, f32: four hidden layers and the argmax labels at every position), median "
+             f"over {args.calls} calls. Why the feature pass runs forwards of about 2,048 tokens "
+             "(`features.TOKENS_PER_FORWARD`).", "",
+             f"Rerun: `{RERUN} --labels`", "",
+             "| batch | T | seconds | tokens/s |", "|---:|---:|---:|---:|"]
+    for batch, steps in LABELS_CASES:
+        lines.append(f"| {batch} | {steps} | {costs[(batch, steps)]:.2f} | {batch * steps / costs[(batch, steps)]:.0f} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
 def build_section(args, costs: dict, chain_costs: dict, load: tuple[float, float]) -> str:
     lines = [SECTION, "",
              f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
@@ -142,9 +186,17 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3, help="timed calls per variant (median)")
     parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
     parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
+    parser.add_argument("--labels", action="store_true",
+                        help="time the feature pass's own forward (with its labels) at two batch sizes instead, into "
+                             "its own section")
     args = parser.parse_args()
 
     start_load = os.getloadavg()[0]
+    if args.labels:
+        costs = measure_labels(args)
+        section = build_labels_section(args, costs, (start_load, os.getloadavg()[0]))
+        publish(section, LABELS_SECTION, args.results, write=not args.no_write)
+        return
     costs, chain_costs = measure(args), measure_chain(args)
     section = build_section(args, costs, chain_costs, (start_load, os.getloadavg()[0]))
     publish(section, SECTION, args.results, write=not args.no_write)

@@ -66,7 +66,7 @@ def chain_attention(q: jax.Array, keys: DraftChain, values: DraftChain, *, scale
     entries [0, t1) only: the causal half of the products is never computed, and each block's
     scores (and the probabilities the backward pass keeps) are [B, K, G, 128, t1], where the whole
     [B, K, G, T, T] of a 1,280-token batch of 8 took 0.5 GB per depth. Forward and backward of one
-    depth at 8 x 1,024 tokens: 2.4x faster (bench/prefill_attention.py)."""
+    depth at 8 x 1,024 tokens: 2.5x faster (bench/prefill_attention.py)."""
     steps, head_dim = q.shape[1], q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     q = q.astype(jnp.float32) * scale

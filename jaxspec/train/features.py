@@ -70,8 +70,8 @@ class FeatureCache:
     8 x 256, ~0.55 TFLOP: more than the head's forward and backward); cached, each epoch after the
     first costs only the head. Because a row is found by its tokens, not by its place in one
     Dataset, a cache serves any data whose rows it holds: a corpus growing a round at a time
-    computes each round's rows once, and a run on the union of rounds reads them all (the feature
-    pass is ~75 min of this repository's 2-core CPU per round). Rows missing from the cache are
+    computes each round's rows once, and a run on the union of rounds reads them all (a round's
+    pass takes about 70 min of this repository's 2-core CPU at ~120 tokens/s). Rows missing from the cache are
     computed in shards of `chunk_rows`, in order of length, each shard only as wide as its longest
     row needs (`bucket_widths`), so short answers in a long window cost their tokens, not rows x
     window. Per shard n, three memory-mapped .npy files:
@@ -93,7 +93,7 @@ class FeatureCache:
     layers: tuple[int, ...]  # the hidden layers stored, in order
     features: tuple[np.ndarray, ...]  # per shard float16[r, F, W_n, D] (memory-mapped)
     labels: tuple[np.ndarray, ...]  # per shard int32[r, W_n]
-    place: np.ndarray  # int64[N, 2]: data row -> (shard, row within it)
+    place: np.ndarray  # int64[N, 2]: data row -> (its shard's index in `features`, row within it)
     seq_len: int  # the data's window
 
     def rows(self, indices: np.ndarray, layers: tuple[int, ...] | None = None,
@@ -119,9 +119,9 @@ class FeatureCache:
 FEATURE_META = "meta.json"
 FEATURE_LAYOUT = "by_row/2"  # shards found by row content, each as wide as its rows need
 ROW_KEY_BYTES = 16
-# Rows per target forward: as many as fill this many tokens (a power of two, at least one). Batch
-# 8 at a 1,024-token window ran at 87 tokens/s here against 145-160 at batch 2 (bench/RESULTS.md,
-# "Prefill attention in query blocks"): past a few thousand tokens the activations fall out of cache.
+# Rows per target forward: as many as fill this many tokens (a power of two, at least one). The
+# labels take the argmax of every position's full-vocabulary logits, float32 [B, W, 49152]: 1.6 GB
+# at 8 x 1,024, where 2 x 1,024 runs 1.1x faster per token (bench/prefill_attention.py --labels).
 TOKENS_PER_FORWARD = 2048
 
 
