@@ -108,7 +108,7 @@ def test_chain_attention_in_query_blocks_is_the_whole_attention():
         out = chain_attention(q, *chains, query_block=query_block)
         return jnp.sum(jnp.sin(out)), out
 
-    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=4)  # depth traced
     for depth in range(1, depths + 1):
         (blocked_grads, blocked), (whole_grads, whole) = (grad(q, context, deeper, jnp.int32(depth), block)
                                                           for block in (4, STEPS))
