@@ -166,11 +166,12 @@ def cache_features(target: Model, data: Dataset, hidden_layers: tuple[int, ...],
             raise InvalidRequestError(f"{name} must be an integer >= 1; got {value!r}")
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    meta = {**target_identity(target), "dtype": "float16", "layout": FEATURE_LAYOUT, "hidden_layers": list(hidden_layers)}
+    source = {**target_identity(target), "dtype": "float16", "layout": FEATURE_LAYOUT}  # what the features depend on
+    meta = {**source, "hidden_layers": list(hidden_layers)}
     meta_path = directory / FEATURE_META
     if meta_path.is_file():
         saved = json.loads(meta_path.read_text(encoding="utf-8"))
-        same_source = all(saved.get(key) == meta[key] for key in ("target_config", "target_weights", "dtype", "layout"))
+        same_source = all(saved.get(key) == value for key, value in source.items())
         if same_source and set(hidden_layers) <= set(saved.get("hidden_layers", ())):
             meta = saved  # this target's cache, with our layers among its own: read ours out of it
         else:

@@ -239,7 +239,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
             saved = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
             ours, theirs = record["train_config"], TrainConfig.from_dict(saved["train_config"]).to_dict()
             changed = sorted(name for name in ours if theirs.get(name) != ours[name])
-            other_target = any(saved.get(key) != record[key] for key in ("target_config", "target_weights"))
+            other_target = any(saved.get(key) != record[key] for key in target_identity(target))
             if changed or saved["data"] != record["data"] or other_target:
                 what = f"settings {changed}" if changed else "data or target (its config or weight format)"
                 raise InvalidRequestError(f"cannot resume {out_dir}: its run used different {what}")
