@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import pathlib
-import platform
 
 from forward_cost import forward_costs  # bench/ is on sys.path when a bench script runs
-from results_md import publish
+from results_md import publish, run_stamp
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_RESULTS = HERE / "RESULTS.md"
@@ -78,8 +76,7 @@ def measure(args) -> dict:
 
 def build_section(args, costs: dict, load: tuple[float, float]) -> str:
     lines = [SECTION, "",
-             f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
-             f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end). One forward of the default "
+             f"{run_stamp(load)} One forward of the default "
              f"model (SmolLM2-135M-Instruct, f32 KV cache), median over {args.calls} calls of {args.iters} "
              "forwards, the two layouts interleaved.", "",
              f"Rerun: `{RERUN}`", "",

@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import pathlib
-import platform
 
 from forward_cost import forward_costs  # bench/ is on sys.path when a bench script runs
-from results_md import publish
+from results_md import publish, run_stamp
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_RESULTS = HERE / "RESULTS.md"
@@ -144,8 +142,7 @@ def measure_labels(args) -> dict:
 
 def build_labels_section(args, costs: dict, load: tuple[float, float]) -> str:
     lines = [LABELS_SECTION, "",
-             f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
-             f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end). One `features.target_batch` "
+             f"{run_stamp(load)} One `features.target_batch` "
              f"(SmolLM2-135M-Instruct, f32: four hidden layers and the argmax labels at every position), median "
              f"over {args.calls} calls. Why the feature pass runs forwards of about 2,048 tokens "
              "(`features.TOKENS_PER_FORWARD`).", "",
@@ -159,8 +156,7 @@ def build_labels_section(args, costs: dict, load: tuple[float, float]) -> str:
 
 def build_section(args, costs: dict, chain_costs: dict, load: tuple[float, float]) -> str:
     lines = [SECTION, "",
-             f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
-             f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end). One forward of the default "
+             f"{run_stamp(load)} One forward of the default "
              f"model (SmolLM2-135M-Instruct, f32) from an empty cache, median over {args.calls} calls, the two "
              "variants interleaved.", "",
              f"Rerun: `{RERUN}`", "",

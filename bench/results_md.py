@@ -4,7 +4,10 @@ replacing only its own; the peer library versions a report names; and the `--for
 
 from __future__ import annotations
 
+import datetime
+import os
 import pathlib
+import platform
 import re
 
 
@@ -26,6 +29,13 @@ def publish(section: str, heading: str, path: pathlib.Path, write: bool = True) 
     if write:
         replace_section(path, heading, section)
         print(f"wrote {path}")
+
+
+def run_stamp(load: tuple[float, float]) -> str:
+    """A section's first words: the date, the machine and how loaded it was (the 1-minute load
+    average at the start and the end of the run)."""
+    return (f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
+            f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end).")
 
 
 def peer_versions() -> str:
