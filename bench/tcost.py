@@ -23,17 +23,15 @@ formats and T so that drift on a shared machine hits them alike. The table repla
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
-import platform
 import sys
 import time
 
 import jax
 
 from forward_cost import forward_costs  # bench/ is on sys.path when a bench script runs
-from results_md import publish, weight_formats
+from results_md import publish, run_stamp, weight_formats
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_RESULTS = HERE / "RESULTS.md"
@@ -75,9 +73,7 @@ def measure_fusion(args) -> dict:
 
 def build_fusion_section(args, costs: dict, machine: dict) -> str:
     lines = [FUSION_SECTION, "",
-             f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
-             f"load average {machine['load'][0]:.1f} at the start, {machine['load'][1]:.1f} at the end). One "
-             f"forward of the default model as in the T-cost curve (cache {args.capacity} holding {args.length}, "
+             f"{run_stamp(machine['load'])} One forward of the default model as in the T-cost curve (cache {args.capacity} holding {args.length}, "
              f"median over {args.calls} calls of {args.iters} forwards, interleaved), with q/k/v and gate/up "
              "fused into one product each (as `jaxspec.load` gives them) or separate.", "",
              f"Rerun: `{RERUN} --fusion`", "",
@@ -94,9 +90,7 @@ def build_section(args, costs: dict, weight_mb: dict, machine: dict) -> str:
     formats = args.formats
     lines = [SECTION, ""]
     lines.append(
-        f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
-        f"load average {machine['load'][0]:.1f} at the start, {machine['load'][1]:.1f} at the end); jax "
-        f"{jax.__version__} on {jax.default_backend()}. SmolLM2-135M-Instruct, batch 1, a cache of "
+        f"{run_stamp(machine['load'])} jax {jax.__version__} on {jax.default_backend()}. SmolLM2-135M-Instruct, batch 1, a cache of "
         f"{args.capacity} slots holding {args.length} tokens; one forward of T new tokens (all T logits), "
         f"median over {args.calls} calls of {args.iters} forwards each, interleaved across formats and T. "
         f"Weights: " + ", ".join(f"{fmt} {weight_mb[fmt]:.0f} MB" for fmt in formats)

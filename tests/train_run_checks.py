@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import checkpoints, cli, train
+from jaxspec import checkpoints, cli, compilation, train
 from jaxspec.models import layers
 from train_fixtures import ANSWER, distilled_toy
 
@@ -116,10 +116,13 @@ def test_written_head_loads_and_drafts_exactly_with_high_acceptance(toy, eagle3_
     assert stats.tau == spec.stats.tau
 
 
-def test_resume_continues_the_same_run(toy, eagle3_run, tmp_path):
+def test_resume_continues_the_same_run(toy, eagle3_run, tmp_path, monkeypatch):
     target, _, _, data = toy
     uninterrupted, _ = eagle3_run
+    persisted = []  # a run keeps its compiled steps in XLA's disk cache, for its resume to load
+    monkeypatch.setattr(compilation, "enable_persistent_cache", lambda: persisted.append(True))
     partial = train.train(target, data, tmp_path, EAGLE3_RUN, stop_after=25, progress=False)
+    assert persisted
     assert partial.step == 25 and partial.head_path is None and not (tmp_path / "config.json").exists()
     with pytest.raises(jaxspec.InvalidRequestError, match="already holds a training run"):
         train.train(target, data, tmp_path, EAGLE3_RUN, progress=False)

@@ -183,13 +183,13 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
     if mask is not None:
         _check_mask(mask, batch, steps)
     keys, values = kv_quant.dequantize(keys), kv_quant.dequantize(values)  # [B, K, S, H]
-    queries = _grouped(q.astype(jnp.float32))  # [B, K, G*T, H]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     precision = _reference_precision()
     visible = mask_visible(mask, lengths, steps, jnp.arange(capacity), window=window,
                            query_positions=query_positions)  # [B, T, S]
-    if queries.shape[2] > CACHE_MAJOR_MAX_QUERIES:
+    if group * steps > CACHE_MAJOR_MAX_QUERIES:
         return _prefill_attention(q, keys, values, visible, scale, precision)
+    queries = _grouped(q.astype(jnp.float32))  # [B, K, G*T, H]
     # Decode and verify: the cache is the large operand. Left to itself XLA:CPU lays the
     # product out for the softmax that follows (query-major) and contracts the cache over
     # its minor axis H slowly; computed cache-major, with a barrier that keeps that layout,

@@ -70,7 +70,9 @@ class TrainConfig:
     # activations cast at each product, float32 accumulation, master params and optimizer state
     # float32; the backward products bfloat16 as well). On an AMX CPU a product's gradient runs
     # 1.8-2.4x float32's rate at training sizes, a whole EAGLE-3 step (TTT 7, 8 rows of 768
-    # tokens) 1.2x: the attention, softmax and the copies around the products stay float32.
+    # tokens) 1.2x: the attention, softmax and the copies around the products stay float32. On
+    # an AVX2-only CPU bf16 products run below float32's rate and a step takes 1.4x as long
+    # (bench/train_step.py).
     compute_dtype: str = "float32"
     val_fraction: float = 0.05
     eval_every: int = 100
