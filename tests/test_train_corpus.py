@@ -21,6 +21,7 @@ import jaxspec
 from jaxspec import self_instruct, train
 from jaxspec.tokenizer import Tokenizer
 from jaxspec.train import corpus
+from jaxspec.train.corpus import generation
 from tests.conftest import TINY, requires_default_model
 
 # ChatML with a default system prompt, as SmolLM2's template writes it.
@@ -315,7 +316,7 @@ def test_magpie_rows_of_a_batch_sample_independently(chat_model):
 
 
 def test_greedy_answers_written_in_spans_are_the_answers_written_at_once(chat_model):
-    """Answers come in spans (corpus.ANSWER_SPANS): rows still going continue from their own
+    """Answers come in spans (corpus.generation.ANSWER_SPANS): rows still going continue from their own
     prefix, regrouped; greedy, that is the same text as one span, ends and bounds alike."""
     tokenizer = chat_model.tokenizer
     texts = ["hello", "tell me about the history of paper money", "plan a trip " * 6, "why", "a b c d e f g " * 4]
@@ -323,14 +324,14 @@ def test_greedy_answers_written_in_spans_are_the_answers_written_at_once(chat_mo
                for text in texts]
     window = max(map(len, prompts)) + 10  # the longest prompt's row meets the window before 24 new tokens
     options = dict(batch_size=2, max_new_tokens=24, window=window)
-    free = corpus._generate_batches(chat_model, prompts, **options)
+    free = generation._generate_batches(chat_model, prompts, **options)
     stop = free[0][0][5]  # a token row 0 writes early: rows that write it end there
-    whole = corpus._generate_batches(chat_model, prompts, stop_token_ids=[stop], **options)
+    whole = generation._generate_batches(chat_model, prompts, stop_token_ids=[stop], **options)
     reasons = [reason for _, reason in whole]
     assert "stop" in reasons and "length" in reasons, reasons  # rows end in the first span and run on
     assert any(len(tokens) < 24 and reason == "length" for tokens, reason in whole)  # the window's bound
     for spans in (2, 3):
-        assert corpus._generate_batches(chat_model, prompts, stop_token_ids=[stop], spans=spans,
+        assert generation._generate_batches(chat_model, prompts, stop_token_ids=[stop], spans=spans,
                                         **options) == whole
 
 
@@ -341,26 +342,27 @@ def test_long_prompts_go_in_halved_batches_with_the_same_answers(chat_model, mon
     prompts = [corpus.chat_tokens(tokenizer, [{"role": "user", "content": "tell me " * words}], ending="assistant")[0]
                for words in (1, 2, 3, 4, 8, 16, 24, 32)]
     options = dict(batch_size=4, max_new_tokens=8)
-    whole = corpus._generate_batches(chat_model, prompts, **options)
+    whole = generation._generate_batches(chat_model, prompts, **options)
     batches = []
-    real = corpus.generate
+    real = generation.generate
 
     def generate(model, draft, rows, **kwargs):
         batches.append((len(rows), max(map(len, rows))))
         return real(model, draft, rows, **kwargs)
 
-    monkeypatch.setattr(corpus, "generate", generate)
-    monkeypatch.setattr(corpus, "BATCH_PROMPT_TOKENS", 24)
-    assert corpus._generate_batches(chat_model, prompts, **options) == whole
+    monkeypatch.setattr(generation, "generate", generate)
+    monkeypatch.setattr(generation, "BATCH_PROMPT_TOKENS", 24)
+    assert generation._generate_batches(chat_model, prompts, **options) == whole
     assert all(rows == 1 or rows * longest <= 4 * 24 for rows, longest in batches), batches
     assert {rows for rows, _ in batches} == {4, 2, 1} and sum(rows for rows, _ in batches) >= len(prompts), batches
 
 
 @contextlib.contextmanager
 def counted_generate(fail_at: int | None = None):
-    """corpus.generate, counting its calls; with `fail_at`, that call raises (a killed run)."""
+    """The corpus's generate (corpus.generation.generate), counting its calls; with `fail_at`, that
+    call raises (a killed run)."""
     calls = []
-    real = corpus.generate
+    real = generation.generate
 
     def generate(*args, **kwargs):
         calls.append(kwargs.get("max_new_tokens"))
@@ -369,7 +371,7 @@ def counted_generate(fail_at: int | None = None):
         return real(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(corpus, "generate", generate)
+        patch.setattr(generation, "generate", generate)
         yield calls
 
 
