@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import pathlib
 import re
 import sys
 
@@ -135,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--prompts", default=None,
                       help='a JSONL file, one {"prompt": ...} or {"text": ...} per line (default: jaxspec\'s '
                            'self-instruct topic prompts, answered by the model)')
-    head.add_argument("--data", default=None,
-                      help="reuse already distilled data: another run's train_data.npz (skips self-distillation)")
+    head.add_argument("--data", nargs="+", default=None, metavar="FILE",
+                      help="reuse already distilled data (skips self-distillation): another run's train_data.npz, "
+                           "a corpus's dataset.npz, or several, concatenated in order (some rounds of a corpus)")
     head.add_argument("--num-prompts", type=int, default=640, help="self-instruct: topic prompts (stage 1)")
     head.add_argument("--num-passage-prompts", type=int, default=192,
                       help="self-instruct: prompts over the model's own stage-1 articles (stage 2)")
@@ -349,7 +349,7 @@ def _train_head(args) -> None:
     if args.prompts is not None and args.data is not None:
         raise InvalidRequestError("--prompts and --data both give the training data: pass one")
     prompts = None if args.resume or args.prompts is None else train.read_prompts_jsonl(args.prompts)
-    data = None if args.resume or args.data is None else train.Dataset.load(pathlib.Path(args.data))
+    data = None if args.resume or args.data is None else train.load_datasets(args.data)
     config = None if args.resume else train.TrainConfig(
         method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
         warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, soft_labels=args.soft_labels,

@@ -139,6 +139,35 @@ def test_rows_the_data_holds_out_are_the_validation_rows(tmp_path):
         train.split_rows(train.Dataset(data.tokens, data.lengths, data.prompt_lengths, held_out=np.ones(6, bool)), 0, 0)
 
 
+def test_several_data_files_train_as_one_in_order(tmp_path):
+    """load_datasets (train-head --data A B ...): rows in file order, every array carried; a
+    part without an assistant mask gets the one its prompt lengths imply; parts of another
+    window, or held-out flags on some parts only, are refused by name."""
+    first = train.pack([train.Example(tokens=(1, 2, 3 + i), prompt_length=2) for i in range(3)], 6)
+    masked = train.Dataset(first.tokens[:2] + 10, first.lengths[:2], first.prompt_lengths[:2],
+                           assistant=np.asarray([[0, 1, 0, 1, 0, 0], [0, 0, 1, 0, 0, 0]], bool))
+    first.save(tmp_path / "a.npz")
+    masked.save(tmp_path / "b.npz")
+    both = train.load_datasets([tmp_path / "a.npz", tmp_path / "b.npz"])
+    np.testing.assert_array_equal(both.tokens, np.concatenate([first.tokens, masked.tokens]))
+    np.testing.assert_array_equal(both.lengths, [3, 3, 3, 3, 3])
+    np.testing.assert_array_equal(both.assistant, np.concatenate([first.assistant_tokens(), masked.assistant]))
+    assert both.held_out is None
+    assert train.load_datasets([tmp_path / "b.npz", tmp_path / "a.npz"]).tokens[0].tolist() == masked.tokens[0].tolist()
+
+    held = np.asarray([1, 0, 0], bool)
+    flagged = train.Dataset(first.tokens, first.lengths, first.prompt_lengths, held_out=held)
+    joined = train.concatenate_datasets([flagged, flagged])
+    assert joined.held_out.tolist() == held.tolist() * 2 and joined.assistant is None
+    with pytest.raises(jaxspec.InvalidRequestError, match="held-out flags are on some"):
+        train.concatenate_datasets([flagged, first])
+    wider = train.pack([train.Example(tokens=(1, 2, 3), prompt_length=2)], 8)
+    with pytest.raises(jaxspec.InvalidRequestError, match=r"different windows.*\[6, 8\]"):
+        train.concatenate_datasets([first, wider])
+    with pytest.raises(jaxspec.CheckpointError, match="not a readable training data file"):
+        train.load_datasets([tmp_path / "a.npz", tmp_path / "missing.npz"])
+
+
 def test_batch_order_depends_only_on_seed_and_step():
     first = [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]
     assert first == [train.batch_indices(3, step, 4, 10).tolist() for step in range(5)]

@@ -223,6 +223,37 @@ class Dataset:
         return loaded
 
 
+def concatenate_datasets(parts: Sequence[Dataset]) -> Dataset:
+    """The rows of every part, in order: several corpora, or some rounds of one, as one Dataset.
+
+    Parts must share a window (seq_len). Where only some carry an assistant mask, the others'
+    is the mask their prompt lengths imply (`Dataset.assistant_tokens`). Held-out flags must be
+    on every part or on none: a split chosen for some rows only cannot be completed at random."""
+    if not parts:
+        raise InvalidRequestError("nothing to concatenate: no datasets given")
+    if len({part.seq_len for part in parts}) != 1:
+        raise InvalidRequestError(f"datasets of different windows cannot be concatenated: seq_len "
+                                  f"{[part.seq_len for part in parts]}")
+    flagged = [part.held_out is not None for part in parts]
+    if any(flagged) and not all(flagged):
+        raise InvalidRequestError("held-out flags are on some of the datasets but not all: concatenate datasets "
+                                  "that all carry their split, or none")
+
+    def joined(arrays):
+        return np.concatenate(list(arrays))
+
+    masked = any(part.assistant is not None for part in parts)
+    return Dataset(joined(part.tokens for part in parts), joined(part.lengths for part in parts),
+                   joined(part.prompt_lengths for part in parts),
+                   assistant=joined(part.assistant_tokens() for part in parts) if masked else None,
+                   held_out=joined(part.held_out for part in parts) if all(flagged) else None)
+
+
+def load_datasets(paths: Sequence[str | os.PathLike[str]]) -> Dataset:
+    """The data files at `paths` (`Dataset.save`'s, or a corpus's dataset.npz), concatenated in order."""
+    return concatenate_datasets([Dataset.load(pathlib.Path(path)) for path in paths])
+
+
 def pack(examples: Sequence[Example], seq_len: int) -> Dataset:
     """Truncate to `seq_len` and right-pad. Rows with no response token inside the window (the
     prompt fills it, or the answer is empty) teach nothing and are dropped."""

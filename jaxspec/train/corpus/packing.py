@@ -20,7 +20,7 @@ from jaxspec.errors import CheckpointError, InvalidRequestError
 from jaxspec.train.corpus.files import _write_atomic
 from jaxspec.train.corpus.near_duplicates import normalize
 from jaxspec.train.corpus.plan import TEMPLATED_SOURCES
-from jaxspec.train.data import Dataset, loss_mask
+from jaxspec.train.data import Dataset, concatenate_datasets, loss_mask
 
 
 def _fill(template: str, field: str) -> tuple[str, str]:
@@ -151,15 +151,8 @@ class PackedCorpus:
     @classmethod
     def concatenate(cls, parts: Sequence[PackedCorpus]) -> PackedCorpus:
         """The rows of every part in order (parts of one seq_len: a corpus's rounds)."""
-        if len({part.data.seq_len for part in parts}) != 1:
-            raise InvalidRequestError("packed corpora of different seq_len cannot be concatenated")
-
-        def joined(name: str) -> np.ndarray:
-            return np.concatenate([getattr(part.data, name) for part in parts])
-
-        data = Dataset(joined("tokens"), joined("lengths"), joined("prompt_lengths"), assistant=joined("assistant"),
-                       held_out=joined("held_out"))
-        return cls(data, np.concatenate([part.turns for part in parts]), np.concatenate([part.ids for part in parts]))
+        return cls(concatenate_datasets([part.data for part in parts]), np.concatenate([part.turns for part in parts]),
+                   np.concatenate([part.ids for part in parts]))
 
     @classmethod
     def load(cls, path: pathlib.Path) -> PackedCorpus:
