@@ -15,9 +15,6 @@ from jaxspec.errors import CheckpointError, InvalidRequestError
 from jaxspec.tokenizer import Tokenizer
 
 
-# Chat rendering with the target's own answer tokens
-# ----------------------------------------------------------------------------------------------
-
 # Private-use characters no real message holds: an assistant turn's content while rendering
 # (replaced by its token ids afterwards), and the user message Magpie lets the target write.
 _ASSISTANT_SLOT = "\ue000{}\ue001"
