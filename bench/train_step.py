@@ -111,11 +111,11 @@ def step_seconds(args) -> dict[str, float]:
 
 def epoch_tokens(lengths: np.ndarray, seq_len: int, bucket_width: int, batch: int) -> tuple[int, int]:
     """(tokens an epoch's batches hold, padding included; distinct widths) at `bucket_width`."""
-    from jaxspec.train.data import bucket_widths
+    from jaxspec.train.data import bucket_widths, length_batches
 
     widths = bucket_widths(lengths, bucket_width, seq_len)
-    values, rows = np.unique(widths, return_counts=True)
-    return int(np.sum(-(-rows // batch) * batch * values)), len(values)
+    batches = length_batches(np.arange(len(lengths)), widths, batch)  # as training pads them
+    return sum(len(rows) * int(width) for rows, width in batches), len(np.unique(widths))
 
 
 def build_section(args, rates: dict, seconds: dict, data, load: tuple[float, float]) -> str:
