@@ -6,7 +6,17 @@ import gc
 import importlib.metadata
 import os
 
-import jax
+# XLA:CPU compiles the suite's programs at LLVM optimization level 0: most of the suite's time is
+# compiling (a tiny model's decode loop: 4.3 s of XLA at the default level, about half at 0), and
+# the tests' programs are small enough that the slower code they get costs less than that. The
+# level picks LLVM's passes, not the HLO a test inspects, and IEEE float semantics hold at every
+# level (XLA:CPU's fast-math is off), so every comparison a test makes is unchanged.
+# Set before jax starts its backend, and inherited by the CLI and sharding tests' subprocesses.
+_COMPILE_FAST = "--xla_backend_optimization_level=0"
+if _COMPILE_FAST not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_COMPILE_FAST}".strip()
+
+import jax  # noqa: E402
 import numpy as np
 import pytest
 
