@@ -16,7 +16,7 @@ import jaxspec
 from jaxspec.cache import KVCache
 from jaxspec.errors import InvalidRequestError
 from jaxspec.models import eagle3, layers, llama, mtp, quant, qwen35
-from jaxspec.models.quant import Int8Weight, WeightFormat
+from jaxspec.models.quant import WeightFormat
 from tests.conftest import HYBRID_CONFIG, TINY, max_relative_error, requires_default_model
 
 RNG = np.random.default_rng(0)
