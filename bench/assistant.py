@@ -37,13 +37,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-from results_md import replace_section
+from results_md import add_output_options, replace_section
 
 from jaxspec.config import RopeScaling, RopeType
 from jaxspec.models import assistant, create_cache, forward, gemma
 
 HERE = pathlib.Path(__file__).resolve().parent
-DEFAULT_RESULTS = HERE / "RESULTS.md"
 SECTION = "## Shared-KV assistant (bench/assistant.py)"
 S, F = gemma.LayerType.SLIDING, gemma.LayerType.FULL
 
@@ -145,10 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=300)
     parser.add_argument("-k", type=int, default=4, help="drafts per round")
     parser.add_argument("--iters", type=int, default=8, help="forwards per timed call")
-    parser.add_argument("--calls", type=int, default=7, help="timed calls per program (median)")
     parser.add_argument("--shapes", nargs="+", default=["tiny", "small"])
-    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--no-write", action="store_true")
+    add_output_options(parser, calls=7)
     args = parser.parse_args(argv)
     sets = shape_sets()
     rows = []

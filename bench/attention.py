@@ -24,10 +24,9 @@ import os
 import pathlib
 
 from forward_cost import forward_costs  # bench/ is on sys.path when a bench script runs
-from results_md import publish, run_stamp
+from results_md import add_output_options, publish, run_stamp
 
 HERE = pathlib.Path(__file__).resolve().parent
-DEFAULT_RESULTS = HERE / "RESULTS.md"
 SECTION = "## Decode attention layout (bench/attention.py)"
 RERUN = ". .venv/bin/activate && python bench/attention.py"
 
@@ -93,10 +92,8 @@ def build_section(args, costs: dict, load: tuple[float, float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=7, help="timed calls per variant (median)")
     parser.add_argument("--iters", type=int, default=4, help="forwards per timed call")
-    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
+    add_output_options(parser, calls=7)
     args = parser.parse_args()
 
     start_load = os.getloadavg()[0]

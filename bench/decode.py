@@ -54,13 +54,11 @@ from __future__ import annotations
 import abc
 import argparse
 import dataclasses
-import datetime
 import importlib.util
 import json
 import os
 import pathlib
 import subprocess
-import platform
 import shlex
 import statistics
 import sys
@@ -70,11 +68,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from results_md import peer_versions, replace_section, weight_formats  # bench/ is on sys.path when a bench script runs
+from results_md import add_output_options, peer_versions, replace_section, run_stamp, weight_formats  # bench/ is on sys.path when a bench script runs
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_QUESTIONS = HERE / "data" / "spec_bench" / "question.jsonl"
-DEFAULT_RESULTS = HERE / "RESULTS.md"
 SECTION = "## Plain decoding (bench/decode.py)"
 
 
@@ -311,11 +308,10 @@ def build_report(args, prompts, prompt_lengths, runs, weight_bytes, bandwidths, 
                         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
         weights.append("llama.cpp runs it as stored")
     lines.append(
-        f"{datetime.date.today().isoformat()}, jaxspec {machine['commit']}; {platform.machine()}, "
-        f"{os.cpu_count()} cores, shared (1-minute load average {machine['load'][0]:.1f} at the start, "
-        f"{machine['load'][1]:.1f} at the end; engines interleaved prompt by prompt, medians over "
-        f"{n} prompts x {machine['passes']} pass(es){_bounded_note(runs, n)}); "
-        f"{', '.join([f'jax {jax.__version__}', *versions])}. {settings.title}: "
+        run_stamp(machine["load"], commit=machine["commit"],
+                  detail=f"engines interleaved prompt by prompt, medians over {n} prompts x "
+                         f"{machine['passes']} pass(es){_bounded_note(runs, n)}")
+        + f" {', '.join([f'jax {jax.__version__}', *versions])}. {settings.title}: "
         f"{', '.join(weights)}; batch 1, {args.max_new_tokens} greedy tokens (`ignore_eos`"
         f"{'; llama.cpp suppresses EOS instead' if LLAMA_CPP in runs else ''}), "
         f"{'chat template' if settings.chat else 'plain prompts (chat=False: no chat template, a base model)'}, "
@@ -448,8 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="no transformers rows")
     parser.add_argument("--no-llama-cpp", action="store_true", help="no llama.cpp row")
     parser.add_argument("--llama-threads", type=int, default=2, help="llama.cpp n_threads (default 2)")
-    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
+    add_output_options(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if "f32" not in args.formats:

@@ -41,8 +41,8 @@ import sys
 import jax
 import numpy as np
 
-from results_md import replace_section  # bench/ is on sys.path when a bench script runs
-from spec import DEFAULT_QUESTIONS, DEFAULT_RESULTS, GROUPS, TIMING_STOP_TOKEN, pick_prompts
+from results_md import add_output_options, replace_section  # bench/ is on sys.path when a bench script runs
+from spec import DEFAULT_QUESTIONS, GROUPS, TIMING_STOP_TOKEN, pick_prompts
 
 import jaxspec
 from jaxspec.train import DATA_FILE, MTP_HEAD_DIR, RUN_FILE
@@ -150,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timing-k", type=int, default=4)
     parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8"))
     parser.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS)
-    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    add_output_options(parser)
     args = parser.parse_args(argv)
 
     specs = [item.split("=", 1) for item in (args.head or ["v1=eagle3-smollm2-135m"])]

@@ -34,9 +34,9 @@ from jaxspec.config import ModelConfig
 from jaxspec.models import llama, qwen35
 from jaxspec.models.params import is_shape
 from jaxspec.models.qwen35 import DeltaRule, LayerType, Qwen35Cache, Qwen35Config
+from results_md import add_output_options, publish  # bench/ is on sys.path when a bench script runs
 
 HERE = pathlib.Path(__file__).resolve().parent
-DEFAULT_RESULTS = HERE / "RESULTS.md"
 SECTION = "## Hybrid trunk (bench/hybrid.py)"
 RERUN = ". .venv/bin/activate && python bench/hybrid.py"
 LIN, FULL = LayerType.LINEAR_ATTENTION, LayerType.FULL_ATTENTION
@@ -255,8 +255,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--bytes-only", action="store_true", help="skip the timing (part 2)")
-    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print the section, leave RESULTS.md alone")
+    add_output_options(parser)
     args = parser.parse_args()
 
     llama_cfg = matching_llama(HYBRID)
@@ -266,8 +265,6 @@ def main() -> None:
     real_rows = [verify_bytes(real_cfg, t) for t in steps_range]
     time_rows = [] if args.bytes_only else timing(HYBRID, llama_cfg, steps_range, args.context, args.reps)
     section = build_section(args, llama_cfg, bytes_rows, real_cfg, real_rows, time_rows)
-    from results_md import publish  # bench/ is on sys.path when a bench script runs
-
     publish(section, SECTION, args.results, write=not args.no_write)
 
 

@@ -50,9 +50,9 @@ from jaxspec.cache import KVCache, KVFormat  # noqa: E402
 from jaxspec.models import llama  # noqa: E402
 from jaxspec.pallas import kv_quant  # noqa: E402
 from jaxspec.pallas.flash_decode import flash_decode, flash_decode_reference  # noqa: E402
+from results_md import add_output_options, replace_section  # noqa: E402
 
 DEFAULT_QUESTIONS = HERE / "data" / "spec_bench" / "question.jsonl"
-DEFAULT_RESULTS = HERE / "RESULTS.md"
 SECTION = "## KV formats (bench/kv_formats.py)"
 RERUN = ". .venv/bin/activate && python bench/kv_formats.py"
 FORMATS = [("f32", "f32"), ("bf16", "bf16"), ("q8_0", "q8_0"), ("q8_0", "q5_1"), ("q5_1", "q5_1")]
@@ -316,8 +316,6 @@ def build_section(args, cfg, quality_rows, info, weight_rows, agreement, memory)
 
 def write_section(path: pathlib.Path, section: str) -> None:
     """Replace this script's section of RESULTS.md, keep the rest."""
-    from results_md import replace_section  # bench/ is on sys.path when a bench script runs
-
     replace_section(path, SECTION, section)
 
 
@@ -375,12 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passage-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--no-weights", action="store_true", help="quality: the KV formats only, no weight table")
-    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print the section, leave RESULTS.md alone")
     parser.add_argument("--tiny", action="store_true", help="timing: small sizes, interpreter on CPU")
     parser.add_argument("--hbm-gbps", type=float, default=4800.0, help="timing: HBM bandwidth (H200: 4800)")
     parser.add_argument("--block-s", type=int, default=64)
     parser.add_argument("--split-size", type=int, default=512)
+    add_output_options(parser)
     args = parser.parse_args(argv)
 
     if args.command == "timing":

@@ -30,10 +30,9 @@ import os
 import pathlib
 
 from forward_cost import forward_costs  # bench/ is on sys.path when a bench script runs
-from results_md import publish, run_stamp
+from results_md import add_output_options, publish, run_stamp
 
 HERE = pathlib.Path(__file__).resolve().parent
-DEFAULT_RESULTS = HERE / "RESULTS.md"
 SECTION = "## Prefill attention in query blocks (bench/prefill_attention.py)"
 RERUN = ". .venv/bin/activate && python bench/prefill_attention.py"
 
@@ -179,12 +178,10 @@ def build_section(args, costs: dict, chain_costs: dict, load: tuple[float, float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=3, help="timed calls per variant (median)")
-    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
     parser.add_argument("--labels", action="store_true",
                         help="time the feature pass's own forward (with its labels) at two batch sizes instead, into "
                              "its own section")
+    add_output_options(parser, calls=3)
     args = parser.parse_args()
 
     start_load = os.getloadavg()[0]

@@ -1,6 +1,6 @@
 """Shared by the bench scripts: bench/RESULTS.md holds one `## ` section per script, each script
-replacing only its own; the peer library versions a report names; and the `--formats` option
-(which weight formats a script runs)."""
+replacing only its own; the output options every script takes (`add_output_options`); the peer
+library versions a report names; and the `--formats` option (which weight formats a script runs)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,20 @@ import os
 import pathlib
 import platform
 import re
+
+RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
+
+
+def add_output_options(parser, *, calls: int | None = None) -> None:
+    """The options every bench script takes: `--results` (the RESULTS.md its section goes to),
+    `--no-write` (print only), and, for a script that times each program as a median of repeated
+    calls, `--calls` with its default."""
+    if calls is not None:
+        parser.add_argument("--calls", type=int, default=calls, help=f"timed calls per measured program, "
+                            f"whose median is reported (default {calls})")
+    parser.add_argument("--results", type=pathlib.Path, default=RESULTS,
+                        help="the results file whose section this script replaces (default bench/RESULTS.md)")
+    parser.add_argument("--no-write", action="store_true", help="print the results; leave the results file alone")
 
 
 def replace_section(path: pathlib.Path, heading: str, section: str) -> None:
@@ -31,11 +45,14 @@ def publish(section: str, heading: str, path: pathlib.Path, write: bool = True) 
         print(f"wrote {path}")
 
 
-def run_stamp(load: tuple[float, float]) -> str:
-    """A section's first words: the date, the machine and how loaded it was (the 1-minute load
-    average at the start and the end of the run)."""
-    return (f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, shared (1-minute "
-            f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end).")
+def run_stamp(load: tuple[float, float], *, commit: str | None = None, detail: str = "") -> str:
+    """A section's first words: the date (and the jaxspec commit measured, when given), the
+    machine and how loaded it was (the 1-minute load average at the start and the end of the
+    run), then `detail` about how the run was timed, inside the same parenthesis."""
+    measured = f", jaxspec {commit}" if commit else ""
+    how = f"; {detail}" if detail else ""
+    return (f"{datetime.date.today().isoformat()}{measured}; {platform.machine()}, {os.cpu_count()} cores, shared "
+            f"(1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end{how}).")
 
 
 def peer_versions() -> str:

@@ -32,7 +32,6 @@ from forward_cost import median_seconds  # noqa: E402  (bench/ is on sys.path)
 import jaxspec  # noqa: E402
 from jaxspec import sampling  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
 HEADING = "## Sampling filters (bench/sampling.py)"
 VOCAB = 49152
 SETTINGS = {"top-p 0.95": dict(temperature=1.0, top_p=0.95), "top-k 50": dict(temperature=1.0, top_k=50),
@@ -103,7 +102,7 @@ def main() -> None:
     parser.add_argument("--e2e-batches", default="1,32")
     parser.add_argument("--e2e-tokens", type=int, default=64)
     parser.add_argument("--e2e-repeats", type=int, default=3)
-    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
+    results_md.add_output_options(parser)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     section = [HEADING, "",
@@ -120,7 +119,7 @@ def main() -> None:
     text = "\n".join(section)
     print(text)
     if not args.no_write:
-        results_md.replace_section(RESULTS, HEADING, text)
+        results_md.replace_section(args.results, HEADING, text)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from jaxspec.cache import KVFormat  # noqa: E402
 from jaxspec.sharding import DEFAULT_RULES  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from results_md import replace_section  # noqa: E402
+from results_md import add_output_options, replace_section  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUESTIONS = ROOT / "bench" / "data" / "spec_bench" / "question.jsonl"
@@ -84,7 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-write", action="store_true")
+    add_output_options(parser)
     args = parser.parse_args()
     jaxspec.set_compile_notices(False)
     base = jaxspec.load()
@@ -131,7 +131,7 @@ def main() -> None:
     ])
     print(section)
     if not args.no_write:
-        replace_section(ROOT / "bench" / "RESULTS.md", "## Sharding (bench/sharding.py)", section)
+        replace_section(args.results, "## Sharding (bench/sharding.py)", section)
 
 
 if __name__ == "__main__":

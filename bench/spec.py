@@ -67,12 +67,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from forward_cost import forward_costs, heap_tree, timed  # bench/ is on sys.path when a bench script runs
-from results_md import peer_versions, replace_section
+from results_md import add_output_options, peer_versions, replace_section
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loading bars in the log
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_QUESTIONS = HERE / "data" / "spec_bench" / "question.jsonl"
-DEFAULT_RESULTS = HERE / "RESULTS.md"
 DEFAULT_PLOT = HERE / "spec_speedup.png"
 SECTION = "## Speculative decoding (bench/spec.py)"
 SHORT_CACHE = (256, 100)  # (capacity, length): the cache a short prompt + 128 new tokens runs with
@@ -752,14 +751,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8"),
                         help="the target's weights (heads follow); each format has its own RESULTS.md section")
     parser.add_argument("--no-layer-skip", action="store_true")
-    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
     parser.add_argument("--section", default=None,
                         help="a tag for a focused run's own RESULTS.md section (e.g. 'trees'), kept beside the full run's")
     parser.add_argument("--plot", type=pathlib.Path, default=None,
                         help="the figure (default bench/spec_speedup.png; spec_speedup_FORMAT.png for int8, bf16; "
                              "spec_speedup_gemma3-270m.png for gemma3-270m)")
     parser.add_argument("--no-plot", action="store_true", help="write RESULTS.md but no figure")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md and the plot alone")
+    add_output_options(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     settings = MODELS[args.model]

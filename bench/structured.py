@@ -39,7 +39,7 @@ from jaxspec import grammar
 from jaxspec.sampling import masked
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from results_md import replace_section, weight_formats  # noqa: E402
+from results_md import add_output_options, replace_section, weight_formats  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
@@ -187,9 +187,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--formats", type=weight_formats, default=["f32", "int8"],
                         help="weight formats to run, e.g. f32,int8 (default both)")
+    add_output_options(parser)
     args = parser.parse_args()
     jaxspec.set_compile_notices(False)
 
@@ -248,7 +248,7 @@ def main():
     report = "\n".join(lines) + "\n"
     print(report)
     if not args.no_write:
-        replace_section(ROOT / "bench" / "RESULTS.md", lines[0], report)
+        replace_section(args.results, lines[0], report)
 
 
 if __name__ == "__main__":

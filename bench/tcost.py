@@ -31,10 +31,9 @@ import time
 import jax
 
 from forward_cost import forward_costs  # bench/ is on sys.path when a bench script runs
-from results_md import publish, run_stamp, weight_formats
+from results_md import add_output_options, publish, run_stamp, weight_formats
 
 HERE = pathlib.Path(__file__).resolve().parent
-DEFAULT_RESULTS = HERE / "RESULTS.md"
 SECTION = "## T-cost curve (bench/tcost.py)"
 FUSION_SECTION = "## Fused projections (bench/tcost.py --fusion)"
 FUSION_TS = (1, 2, 8)  # a T = 1 forward, the padded-to-two one, the 8-token one int8 decoding runs
@@ -132,12 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-t", type=int, default=9, help="T = 1 .. this (default 9)")
     parser.add_argument("--capacity", type=int, default=256, help="cache slots (default 256)")
     parser.add_argument("--length", type=int, default=100, help="tokens already in the cache (default 100)")
-    parser.add_argument("--calls", type=int, default=30, help="timed calls per (format, T) (default 30)")
     parser.add_argument("--iters", type=int, default=4, help="forwards per timed call (default 4)")
-    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
     parser.add_argument("--fusion", action="store_true",
                         help="instead: fused vs separate q/k/v and gate/up products per format, at T = 1, 2, 8")
+    add_output_options(parser, calls=30)
     args = parser.parse_args(argv)
     for name in ("max_t", "calls", "iters"):
         if getattr(args, name) < 1:

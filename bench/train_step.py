@@ -27,10 +27,9 @@ import time
 
 import numpy as np
 from forward_cost import median_seconds  # bench/ is on sys.path when a bench script runs
-from results_md import publish, run_stamp
+from results_md import add_output_options, publish, run_stamp
 
 HERE = pathlib.Path(__file__).resolve().parent
-DEFAULT_RESULTS = HERE / "RESULTS.md"
 DEFAULT_DATA = HERE.parent / "corpora" / "smollm2-135m" / "dataset.npz"
 SECTION = "## Training step cost (bench/train_step.py)"
 RERUN = ". .venv/bin/activate && python bench/train_step.py"
@@ -147,14 +146,12 @@ def build_section(args, rates: dict, seconds: dict, data, load: tuple[float, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=3, help="timed calls per variant (median)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--draft-vocab", type=int, default=6656, help="the v2 head's (the shipped head's tokens first)")
     parser.add_argument("--data", type=pathlib.Path, default=DEFAULT_DATA, help="a corpus dataset.npz")
-    parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print the tables, leave RESULTS.md alone")
+    add_output_options(parser, calls=3)
     args = parser.parse_args()
 
     from jaxspec.train.data import Dataset
