@@ -11,6 +11,8 @@ import argparse
 import dataclasses
 import json
 import re
+import shlex
+import signal
 import sys
 
 from jaxspec import api, checkpoints, compilation, distributed, sharding
@@ -343,7 +345,7 @@ def _corpus(argv: list[str]) -> None:
     print(json.dumps(manifest, indent=2))
 
 
-def _train_head(args) -> None:
+def _train_head(args) -> int:
     from jaxspec import train  # optax and orbax load only for training
 
     if args.prompts is not None and args.data is not None:
@@ -371,7 +373,17 @@ def _train_head(args) -> None:
     if stats is not None:
         summary += (f"; tau {stats.tau:.2f} (k={stats.num_draft_tokens}, acceptance {stats.acceptance_rate:.0%}) "
                     f"on {stats.rows} held-out prompts")
-    print(f"{summary} -> {result.head_path}")
+    if result.interrupted is None:
+        print(f"{summary} -> {result.head_path}")
+        return 0
+    # The resume command names what the run's directory does not keep: the target and where the features are.
+    given = {"--model": args.model if args.model != api.DEFAULT_MODEL else None,
+             "--weight-format": args.weight_format if args.weight_format != "auto" else None,
+             "--feature-cache": args.feature_cache, "--out": args.out}
+    again = " ".join(f"{flag} {shlex.quote(str(value))}" for flag, value in given.items() if value is not None)
+    print(f"{summary} of {result.config.steps}, stopped by {result.interrupted} and checkpointed; continue with: "
+          f"python -m jaxspec.cli train-head {again} --resume")
+    return 128 + signal.Signals[result.interrupted].value  # the shell's code for a run a signal ended
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "corpus":
             _corpus(unparsed)
         elif args.command == "train-head":
-            _train_head(args)
+            return _train_head(args)
     except JaxspecError as error:
         message = in_cli_terms(str(error)) if args.command == "generate" else str(error)
         print(f"error: {message}", file=sys.stderr)

@@ -12,6 +12,7 @@ training itself).
 from __future__ import annotations
 
 import dataclasses
+import signal
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 
 import jaxspec
 from jaxspec import checkpoints, cli, compilation, train
+from jaxspec.train import run as run_module
 from jaxspec.models import layers
 from train_fixtures import ANSWER, distilled_toy
 
@@ -62,6 +64,21 @@ def test_cli_train_head_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------
 # EAGLE-3: training, the written head, resume
 # ------------------------------------------------------------------------------------------
+
+def test_cli_names_an_interrupted_run_and_how_to_continue_it(eagle3_run, tmp_path, monkeypatch, capsys):
+    """train-head stopped by a signal: the steps done, the signal, the command that resumes it
+    (with what the run's directory does not keep), and the shell's exit code for that signal."""
+    result, _ = eagle3_run
+    stopped = dataclasses.replace(result, step=7, head_path=None, interrupted="SIGTERM", validation=None)
+    monkeypatch.setattr(train, "train_head", lambda *args, **kwargs: (stopped, None))
+    code = cli.main(["train-head", "--out", str(tmp_path / "my run"), "--weight-format", "int8",
+                     "--feature-cache", "runs/features"])
+    assert code == 128 + signal.SIGTERM.value
+    out = capsys.readouterr().out
+    assert "eagle3 head: 7 steps of 60, stopped by SIGTERM and checkpointed" in out
+    assert (f"continue with: python -m jaxspec.cli train-head --weight-format int8 --feature-cache runs/features "
+            f"--out '{tmp_path / 'my run'}' --resume") in out
+
 
 def test_top1_agreement_is_the_argmax_drafting_the_targets_token():
     """The training metric's one-max test agrees with an argmax wherever the maximum is unique;
@@ -142,6 +159,34 @@ def test_resume_continues_the_same_run(toy, eagle3_run, tmp_path, monkeypatch):
                                [h["loss"] for h in uninterrupted.history[25:]], rtol=1e-4, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  resumed.head.params, uninterrupted.head.params)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_a_step_checkpoints_that_step_and_stops(toy, eagle3_run, tmp_path, monkeypatch, signum):
+    """SIGTERM (a session's or a scheduler's end) or Ctrl-C while a step runs: that step finishes
+    and is checkpointed, the run stops there, the handlers it replaced are back, and a resume
+    takes the next step as the uninterrupted run took it."""
+    target, _, _, data = toy
+    uninterrupted, _ = eagle3_run
+    real_step = run_module.train_step
+    calls = []
+
+    def step_then_signal(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        calls.append(True)
+        if len(calls) == 3:
+            signal.raise_signal(signum)  # delivered between this step's Python calls, as from outside
+        return out
+
+    monkeypatch.setattr(run_module, "train_step", step_then_signal)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    stopped = train.train(target, data, tmp_path, EAGLE3_RUN, progress=False)
+    assert (stopped.interrupted, stopped.step, stopped.head_path) == (signal.Signals(signum).name, 3, None)
+    assert len(calls) == 3 and {s: signal.getsignal(s) for s in handlers} == handlers
+    monkeypatch.setattr(run_module, "train_step", real_step)
+    resumed = train.train(target, data, tmp_path, EAGLE3_RUN, resume=True, stop_after=4, progress=False)
+    assert resumed.interrupted is None and [h["step"] for h in resumed.history] == [4]
+    np.testing.assert_allclose(resumed.history[0]["loss"], uninterrupted.history[3]["loss"], rtol=1e-4, atol=1e-6)
 
 
 def test_a_run_can_start_from_a_trained_head(toy, eagle3_run, tmp_path):

@@ -13,7 +13,9 @@ Resuming: the data order is a pure function of (seed, step), the dataset and the
 are saved beside the orbax checkpoints (params, optimizer state, step), so a resumed run takes
 the same batches in the same order as an uninterrupted one and ends with the same params. A
 directory that already holds a run is never overwritten; a resume with other settings or data is
-refused.
+refused. Ctrl-C or a SIGTERM while steps run (a session's end, a scheduler's preemption) is taken
+between steps: the step under way finishes, a checkpoint is written, and `train` returns with
+`interrupted` set, so nothing past the last whole step is lost (`StepInterruption`).
 
 `train_head` is the CLI's `train-head`: load the target, build the data (a saved Dataset, given
 prompts, or the built-in self-instruct set), train, write the head, measure tau on held-out
@@ -26,6 +28,8 @@ import dataclasses
 import json
 import os
 import pathlib
+import signal
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,6 +127,40 @@ class TrainResult:
     history: list[dict[str, float]]  # per step of this process: step, loss, top1
     validation: dict[str, Any] | None  # the last validation: loss, top1, top1_by_step (None: no split)
     head_path: pathlib.Path | None  # where the head was written (None until the run is complete)
+    interrupted: str | None = None  # the signal that stopped the run early ("SIGINT", "SIGTERM"), if one did
+
+
+class StepInterruption:
+    """While training steps run: SIGINT and SIGTERM only set `received` (the signal's name), so
+    the loop can finish the step under way, checkpoint, and stop. The first signal restores the
+    handlers it replaced, so a second one acts at once as it would have (Ctrl-C twice: a
+    KeyboardInterrupt mid-step). Outside the main thread, where Python cannot set handlers,
+    signals keep their usual effect."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._replaced: dict[int, Any] = {}
+
+    def __enter__(self) -> "StepInterruption":
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._replaced[signum] = signal.signal(signum, self._take)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._restore()
+
+    def _take(self, signum: int, frame) -> None:
+        self.received = signal.Signals(signum).name
+        self._restore()
+
+    def _restore(self) -> None:
+        for signum, handler in self._replaced.items():
+            # None: a handler not set from Python; the default action is what it did.
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._replaced = {}
 
 
 def _head_setup(target: Model, train_data: Dataset, cfg: TrainConfig, val_data: Dataset | None = None,
@@ -189,6 +227,8 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     resume: continue the run whose checkpoints `out_dir` holds (same data and settings, checked);
         without it, a directory that already holds a run is refused rather than overwritten.
     stop_after: stop (and checkpoint) after this many total steps, as an interruption would.
+        A SIGINT or SIGTERM while steps run stops the run the same way after the step under way
+        (`StepInterruption`); the result names the signal in `interrupted`.
     feature_dir: where the FeatureCache lives (default `out_dir/features`); runs on the same data
         and target may share one.
     head_dtype: the written head's float type, "float32" or "bfloat16" (half the bytes; it loads
@@ -261,8 +301,8 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
         history: list[dict[str, float]] = []
         validation = None
         done = start
-        with tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.method.value}", unit="step",
-                  disable=not progress) as bar:
+        with StepInterruption() as interruption, tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.method.value}",
+                                                      unit="step", disable=not progress) as bar:
             for step in range(start, stop):
                 targets = targets_for(*order.step(step))
                 params, opt_state, metrics = train_step(params, opt_state, frozen, targets, spec=spec)
@@ -276,8 +316,11 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
                     bar.write(f"step {done}: validation loss {validation['loss']:.4f}, "
                               f"top-1 {validation['top1']:.3f} (by depth "
                               f"{', '.join(f'{t:.2f}' for t in validation['top1_by_step'])})")
-                if done % cfg.save_every == 0 or done == stop:
+                if done % cfg.save_every == 0 or done == stop or interruption.received:
                     _save_checkpoint(manager, done, params, opt_state, cfg.seed)
+                if interruption.received:
+                    bar.write(f"{interruption.received}: stopped after step {done} of {cfg.steps}, checkpointed there")
+                    break
     finally:
         manager.close()
 
@@ -294,7 +337,8 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
         else:
             head_path = out_dir / MTP_HEAD_DIR
             checkpoints.save_mtp_head(head_path, head_cfg, head_params)
-    return TrainResult(head=head, config=cfg, step=done, history=history, validation=validation, head_path=head_path)
+    return TrainResult(head=head, config=cfg, step=done, history=history, validation=validation, head_path=head_path,
+                       interrupted=interruption.received)
 
 
 
