@@ -105,7 +105,6 @@ def _loss_terms(params: HeadParams, frozen: Frozen, targets: dict[str, Any], spe
     `targets` is `target_batch`'s output."""
     params, frozen = in_compute_dtype(params, frozen, spec.train.compute_dtype)
     tokens = targets["tokens"]  # int32[B, T]
-    seq_len = tokens.shape[1]
     features = targets["features"]
 
     # Head slot p pairs (feature p, token p + 1) and drafts token p + 2: the target's prediction at p + 1.
