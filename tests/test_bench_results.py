@@ -4,15 +4,17 @@ replaced in place or appended, the others kept; the options every script takes; 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
-import sys
 
 import pytest
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-
-import results_md  # noqa: E402  (bench/ is a scripts folder, not a package)
+# Loaded from its file: bench/ is a folder of scripts, not a package, and on sys.path its module
+# names (spec, sampling, sharding, ...) would shadow others for the rest of the worker's run.
+_spec = importlib.util.spec_from_file_location("bench_results_md", BENCH / "results_md.py")
+results_md = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(results_md)
 
 
 def test_a_section_is_replaced_in_place_and_the_others_kept(tmp_path):
