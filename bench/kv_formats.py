@@ -314,11 +314,6 @@ def build_section(args, cfg, quality_rows, info, weight_rows, agreement, memory)
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: pathlib.Path, section: str) -> None:
-    """Replace this script's section of RESULTS.md, keep the rest."""
-    replace_section(path, SECTION, section)
-
-
 # --- kernel timing -----------------------------------------------------------------------------
 
 
@@ -397,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     section = build_section(args, model.config, quality_rows, info, weight_rows, agreement, memory_rows(model.config))
     print(section, end="")
     if not args.no_write and args.command == "quality":  # the memory table alone is only printed
-        write_section(args.results, section)
+        replace_section(args.results, SECTION, section)
         print(f"wrote {args.results}")
     return 0
 

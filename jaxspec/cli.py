@@ -378,7 +378,7 @@ def _train_head(args) -> int:
         return 0
     # The resume command names what the run's directory does not keep: the target and where the features are.
     given = {"--model": args.model if args.model != api.DEFAULT_MODEL else None,
-             "--weight-format": args.weight_format if args.weight_format != "auto" else None,
+             "--weight-format": args.weight_format if args.weight_format != WeightFormat.AUTO.value else None,
              "--feature-cache": args.feature_cache, "--out": args.out}
     again = " ".join(f"{flag} {shlex.quote(str(value))}" for flag, value in given.items() if value is not None)
     print(f"{summary} of {result.config.steps}, stopped by {result.interrupted} and checkpointed; continue with: "
