@@ -22,7 +22,9 @@ Wall-clock: on the first `--timing-prompts` MT-bench prompts, at batch 1, plain 
 head at `--timing-k` run back to back per prompt; the speedup is the median over prompts of the
 ratio of decode tokens/s. A head directory written by `jaxspec.cli train-head` carries its
 training data (train_data.npz): its rows and assistant tokens are reported beside it, so a table
-of heads trained on growing data is the acceptance curve against data size.
+of heads trained on growing data is the acceptance curve against data size. A head exported from
+a checkpoint (`train-head --export-head`) is reported with the steps it had, so the heads along
+one single-pass run give the same curve against the rows seen.
 
 The table replaces the section "## EAGLE-3 heads on Spec-Bench (bench/heads.py[ --weight-format
 F])" of bench/RESULTS.md.
@@ -45,15 +47,28 @@ from results_md import add_output_options, replace_section  # bench/ is on sys.p
 from spec import DEFAULT_QUESTIONS, GROUPS, TIMING_STOP_TOKEN, pick_prompts
 
 import jaxspec
-from jaxspec.train import DATA_FILE, MTP_HEAD_DIR, RUN_FILE
+from jaxspec.train import DATA_FILE, EXPORT_FILE, MTP_HEAD_DIR, RUN_FILE
 from jaxspec.train.data import Dataset
 
 NEW_TOKENS = 128
 
 
+def exported_from(path: str) -> dict | None:
+    """Where a head written by `train-head --export-head` came from (its run and step), or None."""
+    head = pathlib.Path(path)
+    for folder in (head, head.parent) if head.name == MTP_HEAD_DIR else (head,):
+        if (folder / EXPORT_FILE).is_file():
+            return json.loads((folder / EXPORT_FILE).read_text(encoding="utf-8"))
+    return None
+
+
 def run_directory(path: str) -> pathlib.Path:
     """The training run a head came from: an EAGLE-3 head is written into its run's directory,
-    an MTP head into the run's `mtp_head/` (train-head), so its run is the folder above."""
+    an MTP head into the run's `mtp_head/` (train-head), so its run is the folder above; an
+    exported checkpoint's head names its run."""
+    exported = exported_from(path)
+    if exported is not None:
+        return pathlib.Path(exported["run"])
     head = pathlib.Path(path)
     if head.name == MTP_HEAD_DIR and (head.parent / RUN_FILE).is_file():
         return head.parent
@@ -87,9 +102,12 @@ def head_training(path: str) -> str:
     if not run_file.is_file():
         return "-"
     cfg = json.loads(run_file.read_text(encoding="utf-8"))["train_config"]
-    text = (f"{cfg.get('method', 'eagle3')}, {cfg['steps']} steps of {cfg['batch_size']}, TTT {cfg['ttt_steps']}, "
+    exported = exported_from(path)
+    steps = cfg["steps"] if exported is None else exported["step"]
+    of_run = "" if exported is None else f" (a checkpoint: {steps} of its run's {cfg['steps']})"
+    text = (f"{cfg.get('method', 'eagle3')}, {steps} steps of {cfg['batch_size']}{of_run}, TTT {cfg['ttt_steps']}, "
             f"peak lr {cfg['learning_rate']:g}")
-    rows_seen = cfg["steps"] * cfg["batch_size"]
+    rows_seen = steps * cfg["batch_size"]
     start = cfg.get("init_from")
     while start is not None and (run_directory(start) / RUN_FILE).is_file():
         earlier = json.loads((run_directory(start) / RUN_FILE).read_text(encoding="utf-8"))["train_config"]
@@ -104,19 +122,20 @@ def head_training(path: str) -> str:
     return text
 
 
-def run_group(model, head, prompts: list[str], plain_tokens, divergences: list[str], exact: bool,
+def run_group(model, head, prompts: list[str], plain_tokens, divergences: list[str], exact: bool, label: str,
               **options) -> jaxspec.SpecStats:
     """Speculative greedy over `prompts` in one batch, checked against plain greedy. Where greedy
     is exact (float32 weights, or a chain) a difference is a bug and ends the run; a tree under
     int8 or bf16 weights is exact only up to rounding flips (docs/design.md: a node reads its
-    ancestors from other slots than a plain step), so there its first divergence is recorded."""
+    ancestors from other slots than a plain step), so there its first divergence is recorded,
+    named by `label` (group, head, drafts)."""
     result = jaxspec.generate(model, head, prompts, chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True, **options)
     for row, (ours, theirs) in enumerate(zip(result.tokens, plain_tokens)):
         if list(ours) != list(theirs):
             if exact:
-                sys.exit(f"speculative output differs from plain greedy (row {row}, {options}): a bug")
+                sys.exit(f"speculative output differs from plain greedy ({label}, row {row}): a bug")
             first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            divergences.append(f"{options}, row {row}: from token {first}")
+            divergences.append(f"{label}, row {row}: from token {first}")
     return result.stats
 
 
@@ -171,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, head in heads.items():
             for kind, value, options in settings:
                 exact = args.weight_format == "f32" or kind == "chain"
-                stats = run_group(model, head, prompts, plain.tokens, divergences, exact, **options)
+                stats = run_group(model, head, prompts, plain.tokens, divergences, exact,
+                                  f"{group} {name} {kind} {value}", **options)
                 key = (name, f"{kind} {value}")
                 entry = next((r for r in rows if r[0] == key), None)
                 if entry is None:

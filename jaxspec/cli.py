@@ -186,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="apply the model's chat template to prompts (default: on when the model has one)")
     head.add_argument("--resume", action="store_true",
                       help="continue the run in --out with its saved settings and data (other settings are ignored)")
+    head.add_argument("--keep-every", type=int, default=None, metavar="N",
+                      help="besides the last two checkpoints, keep those at every multiple of N steps (give it again "
+                           "with --resume), for --export-head")
+    head.add_argument("--export-head", default=None, metavar="DEST",
+                      help="train nothing: write the head of the run in --out at its latest checkpoint (or "
+                           "--export-step) to DEST, to measure a run that has not finished or the heads along one")
+    head.add_argument("--export-step", type=int, default=None, metavar="N", help="with --export-head: this checkpoint")
     return parser
 
 
@@ -348,6 +355,14 @@ def _corpus(argv: list[str]) -> None:
 def _train_head(args) -> int:
     from jaxspec import train  # optax and orbax load only for training
 
+    if args.export_head is not None:
+        train.saved_run(args.out)  # a directory without a run is named before the target loads
+        model = api.load(args.model, weight_format=args.weight_format, progress=True)
+        path = train.export_head(model, args.out, args.export_head, step=args.export_step, head_dtype=args.head_dtype)
+        print(f"exported the head of {args.out} -> {path}")
+        return 0
+    if args.export_step is not None:
+        raise InvalidRequestError("--export-step names the checkpoint --export-head writes: give --export-head DEST")
     if args.prompts is not None and args.data is not None:
         raise InvalidRequestError("--prompts and --data both give the training data: pass one")
     prompts = None if args.resume or args.prompts is None else train.read_prompts_jsonl(args.prompts)
@@ -366,7 +381,7 @@ def _train_head(args) -> int:
                                      num_passage_prompts=args.num_passage_prompts,
                                      distill_batch_size=args.distill_batch_size, chat=args.chat, resume=args.resume,
                                      feature_dir=args.feature_cache, head_dtype=args.head_dtype,
-                                     weight_format=args.weight_format)
+                                     keep_every=args.keep_every, weight_format=args.weight_format)
     summary = f"{result.config.method.value} head: {result.step} steps"
     if result.validation is not None:
         summary += f", validation loss {result.validation['loss']:.3f}, top-1 {result.validation['top1']:.3f}"
@@ -379,7 +394,7 @@ def _train_head(args) -> int:
     # The resume command names what the run's directory does not keep: the target and where the features are.
     given = {"--model": args.model if args.model != api.DEFAULT_MODEL else None,
              "--weight-format": args.weight_format if args.weight_format != WeightFormat.AUTO.value else None,
-             "--feature-cache": args.feature_cache, "--out": args.out}
+             "--feature-cache": args.feature_cache, "--keep-every": args.keep_every, "--out": args.out}
     again = " ".join(f"{flag} {shlex.quote(str(value))}" for flag, value in given.items() if value is not None)
     print(f"{summary} of {result.config.steps}, stopped by {result.interrupted} and checkpointed; continue with: "
           f"python -m jaxspec.cli train-head {again} --resume")

@@ -1,11 +1,14 @@
 """bench/results_md.py, which every bench script writes its RESULTS.md section through: a section
-replaced in place or appended, the others kept; the options every script takes; the stamp line."""
+replaced in place or appended, the others kept; the options every script takes; the stamp line.
+And bench/heads.py's account of where a head came from."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import pathlib
+import sys
 
 import pytest
 
@@ -43,3 +46,38 @@ def test_the_stamp_names_the_load_and_what_it_is_told():
     assert "load average 1.2 at the start, 2.0 at the end)." in plain and "jaxspec" not in plain
     told = results_md.run_stamp((1.0, 2.0), commit="abc1234+dirty", detail="medians over 3 prompts")
     assert ", jaxspec abc1234+dirty; " in told and told.endswith("at the end; medians over 3 prompts).")
+
+
+@pytest.fixture
+def heads_script(monkeypatch):
+    """bench/heads.py as a module, with bench/ on sys.path only while the test runs: the bench
+    modules it imports (spec, results_md) leave sys.modules with it."""
+    before = set(sys.modules)
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_heads", BENCH / "heads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    for name in set(sys.modules) - before:
+        if not name.startswith("jaxspec"):
+            del sys.modules[name]
+
+
+def test_heads_bench_reports_an_exported_checkpoint_with_the_steps_it_had(heads_script, tmp_path):
+    """A head written by train-head --export-head is described by its run's settings and the steps
+    of its checkpoint (the rows it has seen, for the acceptance curve), an MTP one too; a finished
+    run's head by its whole run; a head without a run by nothing."""
+    run = tmp_path / "run"
+    run.mkdir()
+    settings = {"method": "eagle3", "steps": 318, "batch_size": 8, "ttt_steps": 7, "learning_rate": 3e-4,
+                "init_from": None}
+    (run / "train_run.json").write_text(json.dumps({"train_config": settings}))
+    assert heads_script.head_training(str(run)) == "eagle3, 318 steps of 8, TTT 7, peak lr 0.0003"
+    exported = tmp_path / "at100"
+    (exported / "mtp_head").mkdir(parents=True)
+    (exported / "exported_from.json").write_text(json.dumps({"run": str(run), "step": 100, "steps": 318}))
+    for head in (exported, exported / "mtp_head"):
+        assert heads_script.run_directory(str(head)) == run
+        assert heads_script.head_training(str(head)) == (
+            "eagle3, 100 steps of 8 (a checkpoint: 100 of its run's 318), TTT 7, peak lr 0.0003")
+    assert heads_script.head_training(str(tmp_path / "shipped")) == "-"

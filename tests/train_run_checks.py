@@ -12,6 +12,7 @@ training itself).
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 
 import jax
@@ -187,6 +188,50 @@ def test_a_signal_during_a_step_checkpoints_that_step_and_stops(toy, eagle3_run,
     resumed = train.train(target, data, tmp_path, EAGLE3_RUN, resume=True, stop_after=4, progress=False)
     assert resumed.interrupted is None and [h["step"] for h in resumed.history] == [4]
     np.testing.assert_allclose(resumed.history[0]["loss"], uninterrupted.history[3]["loss"], rtol=1e-4, atol=1e-6)
+
+
+def test_kept_checkpoints_export_as_the_heads_the_run_had(toy, tmp_path, monkeypatch, capsys):
+    """keep_every keeps the heads along a run beside its last two checkpoints; export_head (and
+    train-head --export-head) writes any kept one as a loadable head, equal to the run's own head
+    at that step, with its run and step beside it. A step not kept, a run's own directory, a
+    directory already holding a head, and a target of another config are refused."""
+    target, _, _, data = toy
+    cfg = dataclasses.replace(EAGLE3_RUN, save_every=5)  # the same compiled step: checkpointing is not in it
+    run = tmp_path / "run"
+    at10 = train.train(target, data, run, cfg, stop_after=10, keep_every=10, progress=False)
+    at25 = train.train(target, data, run, cfg, resume=True, stop_after=25, keep_every=10, progress=False)
+    kept = sorted(int(p.name) for p in (run / train.CHECKPOINT_DIR).iterdir() if p.name.isdigit())
+    assert kept == [10, 20, 25]  # the last two (20, 25) and the multiples of 10; 5 and 15 are gone
+    for step, result, dest in ((10, at10, tmp_path / "h10"), (None, at25, tmp_path / "latest")):
+        path = train.export_head(target, run, dest, step=step, head_dtype="float32")
+        head = jaxspec.load(str(path))
+        assert head.config == result.head.config
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), head.params, result.head.params)
+        exported = json.loads((dest / train.EXPORT_FILE).read_text())
+        assert exported == {"run": str(run.absolute()), "step": result.step, "steps": cfg.steps}
+
+    with pytest.raises(jaxspec.InvalidRequestError, match=r"no checkpoint at step 15; it holds steps \[10, 20, 25\]"):
+        train.export_head(target, run, tmp_path / "h15", step=15)
+    with pytest.raises(jaxspec.InvalidRequestError, match="another directory than its run's"):
+        train.export_head(target, run, run)
+    with pytest.raises(jaxspec.InvalidRequestError, match="already holds a head or a run"):
+        train.export_head(target, run, tmp_path / "h10", step=10)
+    wider = jaxspec.Model(config=dataclasses.replace(target.config, vocab_size=target.config.vocab_size + 1),
+                          params=target.params, source="wider")
+    with pytest.raises(jaxspec.InvalidRequestError, match="cannot export a head of"):
+        train.export_head(target=wider, run_dir=run, dest=tmp_path / "other")
+    with pytest.raises(jaxspec.InvalidRequestError, match="keep_every must be an integer >= 1"):
+        train.train(target, data, tmp_path / "bad", cfg, keep_every=0, progress=False)
+
+    monkeypatch.setattr(cli.api, "load", lambda *args, **kwargs: target)  # the toy target has no directory
+    assert cli.main(["train-head", "--out", str(run), "--export-head", str(tmp_path / "h20"),
+                     "--export-step", "20"]) == 0
+    assert f"exported the head of {run} -> {tmp_path / 'h20'}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "h20" / train.EXPORT_FILE).read_text())["step"] == 20
+    assert cli.main(["train-head", "--out", str(tmp_path / "none"), "--export-head", str(tmp_path / "x")]) == 2
+    assert "holds no training run" in capsys.readouterr().err
+    assert cli.main(["train-head", "--out", str(run), "--export-step", "20"]) == 2
+    assert "give --export-head DEST" in capsys.readouterr().err
 
 
 def test_a_run_can_start_from_a_trained_head(toy, eagle3_run, tmp_path):

@@ -17,7 +17,8 @@ The pipeline, each stage a plain function:
                                                          per batch (soft labels)
     training  train                                      AdamW + warmup/cosine + clipping, the EAGLE-3
                                                          training-time test, orbax checkpoints, resumable
-    output    save_eagle3 / save_mtp_head (checkpoints; jaxspec.load reads both)
+    output    save_eagle3 / save_mtp_head (checkpoints; jaxspec.load reads both); export_head writes
+              any kept checkpoint's head
 
 The modules, one concept each (every public name is re-exported here):
 
@@ -27,7 +28,7 @@ The modules, one concept each (every public name is re-exported here):
     heads       the head for a target: its config, initial params, the trainable part
     features    the target's half of a batch: target_batch, the on-disk FeatureCache, target_source
     objective   the unrolled (training-time test) loss, train_step, evaluate
-    run         the loop, its run directory and resume, saved_run, measure_tau, train_head
+    run         the loop, its run directory and resume, export_head, saved_run, measure_tau, train_head
 """
 
 from jaxspec.train.config import Method, StepSpec, TrainConfig, optimizer
@@ -84,10 +85,12 @@ from jaxspec.train.objective import agrees_with_target, evaluate, summarise, tra
 from jaxspec.train.run import (
     CHECKPOINT_DIR,
     DATA_FILE,
+    EXPORT_FILE,
     FEATURE_DIR,
     MTP_HEAD_DIR,
     RUN_FILE,
     TrainResult,
+    export_head,
     load_start_head,
     measure_tau,
     saved_run,
@@ -98,10 +101,10 @@ from jaxspec.train.run import (
 __all__ = [
     "CorpusPlan", "PackedCorpus", "Synthesis", "build_corpus", "corpus_status", "deduplicate", "drop_near",
     "held_out_split", "math_prompts", "spec_bench_questions", "synthesize_follow_ups", "synthesize_user_prompts",
-    "CHECKPOINT_DIR", "DATA_FILE", "FEATURE_DIR", "FEATURE_META", "MTP_HEAD_DIR", "RUN_FILE",
+    "CHECKPOINT_DIR", "DATA_FILE", "EXPORT_FILE", "FEATURE_DIR", "FEATURE_META", "MTP_HEAD_DIR", "RUN_FILE",
     "BatchOrder", "Dataset", "DraftVocab", "Example", "FeatureCache", "Frozen", "HeadParams", "Method", "StepSpec",
     "TrainConfig", "TrainResult", "batch_indices", "bucket_widths", "cache_features", "concatenate_datasets", "load_datasets", "answer_token_coverage", "draft_token_ranking", "draft_vocab", "draft_vocab_size_for", "eagle3_config_for", "length_batches",
-    "agrees_with_target", "evaluate", "init_head", "load_start_head", "loss_mask", "measure_tau", "mtp_config_for", "optimizer", "pack",
+    "agrees_with_target", "evaluate", "export_head", "init_head", "load_start_head", "loss_mask", "measure_tau", "mtp_config_for", "optimizer", "pack",
     "read_prompts_jsonl", "response_mask", "saved_run", "self_distill", "self_instruct_examples", "start_from", "start_vocab",
     "split", "split_rows", "summarise", "target_batch", "target_source", "tokenize_prompts", "train", "train_head",
     "train_step", "trainable_params",

@@ -9,6 +9,9 @@ directory laid out as
     features/              the FeatureCache (unless another directory is given)
     config.json + model.safetensors, or mtp_head/   the finished head (jaxspec.load reads both)
 
+Checkpoints are written every `save_every` steps; the last two are kept, and with `keep_every`
+also every multiple of it.
+
 Resuming: the data order is a pure function of (seed, step), the dataset and the run's settings
 are saved beside the orbax checkpoints (params, optimizer state, step), so a resumed run takes
 the same batches in the same order as an uninterrupted one and ends with the same params. A
@@ -16,6 +19,9 @@ directory that already holds a run is never overwritten; a resume with other set
 refused. Ctrl-C or a SIGTERM while steps run (a session's end, a scheduler's preemption) is taken
 between steps: the step under way finishes, a checkpoint is written, and `train` returns with
 `interrupted` set, so nothing past the last whole step is lost (`StepInterruption`).
+
+`export_head` writes the head of any kept checkpoint (a run not yet finished, or the heads along
+one) to a directory of its own.
 
 `train_head` is the CLI's `train-head`: load the target, build the data (a saved Dataset, given
 prompts, or the built-in self-instruct set), train, write the head, measure tau on held-out
@@ -73,16 +79,20 @@ RUN_FILE = "train_run.json"
 CHECKPOINT_DIR = "train_checkpoints"
 FEATURE_DIR = "features"
 MTP_HEAD_DIR = "mtp_head"
+EXPORT_FILE = "exported_from.json"  # beside an exported head: its run and step
 
 
 # ----------------------------------------------------------------------------------------------
 # Checkpoints (orbax) and head files
 # ----------------------------------------------------------------------------------------------
 
-def _checkpoint_manager(out_dir: pathlib.Path):
+def _checkpoint_manager(out_dir: pathlib.Path, keep_every: int | None = None):
+    """The run's checkpoints: the last two, and with `keep_every` also every step that is a
+    multiple of it (heads along the run, for `export_head`)."""
     import orbax.checkpoint as ocp
 
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False)
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, keep_period=keep_every, create=True,
+                                           enable_async_checkpointing=False)
     return ocp.CheckpointManager((out_dir / CHECKPOINT_DIR).absolute(), options=options)
 
 
@@ -199,6 +209,11 @@ def _check_head_dtype(head_dtype: str) -> None:
         raise InvalidRequestError(f"head_dtype must be one of {sorted(_HEAD_DTYPES)}; got {head_dtype!r}")
 
 
+def _check_keep_every(keep_every: int | None) -> None:
+    if keep_every is not None and (not isinstance(keep_every, int) or isinstance(keep_every, bool) or keep_every < 1):
+        raise InvalidRequestError(f"keep_every must be an integer >= 1; got {keep_every!r}")
+
+
 def load_start_head(name: str) -> Model:
     """The head `TrainConfig.init_from` names (a shipped head's name or a head directory), or
     InvalidRequestError: a run starts from a draft head, never from a target model."""
@@ -219,9 +234,78 @@ def _run_record(cfg: TrainConfig, data: Dataset, target: Model) -> dict[str, Any
     return {"train_config": cfg.to_dict(), "data": data.fingerprint(), **target_identity(target)}
 
 
+@dataclasses.dataclass(frozen=True)
+class _RunSetup:
+    """What a run's settings, data and target fix before any step: its training and held-out rows,
+    the head's config and draft vocabulary, the compiled step's static half, and the starting
+    params and optimizer state (a restored checkpoint's template)."""
+
+    train_rows: np.ndarray  # int[N]: row indices into the data
+    val_rows: np.ndarray
+    head_cfg: Any
+    vocab: DraftVocab
+    spec: StepSpec
+    params: HeadParams
+    opt_state: Any
+    carried: int | None  # lm_head rows carried from cfg.init_from (None: a fresh or restored start)
+
+
+def _set_up(target: Model, data: Dataset, cfg: TrainConfig, *, restoring: bool) -> _RunSetup:
+    train_rows, val_rows = split_rows(data, cfg.val_fraction, cfg.seed)
+    # A restore takes its params from its checkpoint; only a kept vocabulary reads the head again.
+    needs_start = cfg.init_from is not None and (not restoring or cfg.keep_init_vocab)
+    start_head = load_start_head(cfg.init_from) if needs_start else None
+    head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg, data.subset(val_rows),
+                                                 start_head)
+    # Only what shapes the program is in the compiled step's key: runs that differ in where the
+    # params start or how often they checkpoint and validate share it.
+    program = dataclasses.replace(cfg, init_from=None, keep_init_vocab=False, save_every=TrainConfig.save_every,
+                                  eval_every=TrainConfig.eval_every)
+    spec = StepSpec(train=program, target_cfg=target.config, head_cfg=head_cfg, hidden_layers=hidden_layers)
+    initial = init_head(cfg.method, head_cfg, target, vocab, cfg.seed,
+                        mtp_block_from_last_layer=cfg.mtp_block_from_last_layer)
+    carried = None
+    if cfg.init_from is not None and not restoring:
+        initial, carried = start_from(cfg.method, head_cfg, initial, vocab, start_head)
+    params = trainable_params(initial)
+    return _RunSetup(train_rows=train_rows, val_rows=val_rows, head_cfg=head_cfg, vocab=vocab, spec=spec,
+                     params=params, opt_state=jax.jit(optimizer(cfg).init)(params), carried=carried)
+
+
+def _check_same_run(out_dir: pathlib.Path, record: dict[str, Any], action: str, identity: Sequence[str]) -> None:
+    """Refuse to `action` the run in `out_dir` with settings, data or a target (`identity`: the
+    record's keys that must match) other than its own."""
+    saved = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
+    ours, theirs = record["train_config"], TrainConfig.from_dict(saved["train_config"]).to_dict()
+    changed = sorted(name for name in ours if theirs.get(name) != ours[name])
+    other_target = any(saved.get(key) != record[key] for key in identity)
+    if changed or saved["data"] != record["data"] or other_target:
+        what = f"settings {changed}" if changed else "data or target (its config or weight format)"
+        raise InvalidRequestError(f"cannot {action} {out_dir}: its run used different {what}")
+
+
+def _head_of(cfg: TrainConfig, setup: _RunSetup, params: HeadParams, source: str) -> tuple[HeadParams, Model]:
+    """The head the trainable `params` make: its params as written (an EAGLE-3 head with its
+    draft-to-target map), and as `jaxspec.load` gives it (q/k/v and gate/up fused)."""
+    head_params = params
+    if cfg.method is Method.EAGLE3:
+        head_params = dataclasses.replace(params, d2t=jnp.asarray(setup.vocab.d2t, jnp.int32))
+    return head_params, Model(config=setup.head_cfg, params=layers.fuse_projections(head_params), source=source)
+
+
+def _write_head(method: Method, out_dir: pathlib.Path, head_cfg: Any, head_params: HeadParams,
+                head_dtype: str) -> pathlib.Path:
+    """Write a head where `jaxspec.load` finds it: EAGLE-3 into `out_dir`, MTP into its mtp_head/."""
+    if method is Method.EAGLE3:
+        checkpoints.save_eagle3(out_dir, head_cfg, head_params, dtype=_HEAD_DTYPES[head_dtype])
+        return out_dir
+    checkpoints.save_mtp_head(out_dir / MTP_HEAD_DIR, head_cfg, head_params)
+    return out_dir / MTP_HEAD_DIR
+
+
 def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: TrainConfig, *,
           resume: bool = False, stop_after: int | None = None, feature_dir: str | os.PathLike[str] | None = None,
-          head_dtype: str = "float32", progress: bool = True) -> TrainResult:
+          head_dtype: str = "float32", keep_every: int | None = None, progress: bool = True) -> TrainResult:
     """Train a head for `target` on `data`, checkpointing into `out_dir`.
 
     resume: continue the run whose checkpoints `out_dir` holds (same data and settings, checked);
@@ -233,6 +317,9 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
         and target may share one.
     head_dtype: the written head's float type, "float32" or "bfloat16" (half the bytes; it loads
         back as float32, so drafting is unchanged but for the rounding of the weights).
+    keep_every: besides the last two checkpoints, keep every one at a multiple of this many steps
+        (a checkpoint is written every `cfg.save_every`), so `export_head` can write the heads
+        along the run: acceptance against the data seen.
     When the run completes, the head is written: EAGLE-3 into `out_dir` itself (config.json +
     model.safetensors), MTP into `out_dir/mtp_head` (mtp_head.json + model.safetensors); both
     load with `jaxspec.load(path)`.
@@ -240,37 +327,27 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     from tqdm.auto import tqdm
 
     _check_head_dtype(head_dtype)
+    _check_keep_every(keep_every)
     # A step compiles once per batch width (~50 s for the default model at TTT 7, and a corpus of
     # mixed lengths has up to 2048 / bucket_width widths), the feature pass once per forward
     # shape: on disk, a resumed run or the next run on the same shapes loads them instead.
     compilation.enable_persistent_cache()
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_rows, val_rows = split_rows(data, cfg.val_fraction, cfg.seed)
-    # A resume takes its params from its checkpoint; only a kept vocabulary reads the head again.
-    needs_start = cfg.init_from is not None and (not resume or cfg.keep_init_vocab)
-    start_head = load_start_head(cfg.init_from) if needs_start else None
-    head_cfg, hidden_layers, vocab = _head_setup(target, data.subset(train_rows), cfg, data.subset(val_rows),
-                                                 start_head)
-    # Where the params start is no part of the compiled step: runs that differ only there share it.
-    spec = StepSpec(train=dataclasses.replace(cfg, init_from=None, keep_init_vocab=False), target_cfg=target.config,
-                    head_cfg=head_cfg, hidden_layers=hidden_layers)
+    setup = _set_up(target, data, cfg, restoring=resume)
+    train_rows, val_rows = setup.train_rows, setup.val_rows
+    if setup.carried is not None and progress:
+        print(f"jaxspec: starting from {cfg.init_from} ({setup.carried} of {len(setup.vocab.target_ids)} "
+              "lm_head rows carried)")
+    spec, params, opt_state = setup.spec, setup.params, setup.opt_state
     frozen = {"embed": target.params.embed,
-              "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
-              "target_to_draft": jnp.asarray(vocab.target_to_draft)}
+              "draft_ids": jnp.asarray(setup.vocab.target_ids, jnp.int32),
+              "target_to_draft": jnp.asarray(setup.vocab.target_to_draft)}
     if cfg.method is Method.MTP:
         frozen["lm_head"] = lm_head_of(target)
 
-    initial = init_head(cfg.method, head_cfg, target, vocab, cfg.seed,
-                        mtp_block_from_last_layer=cfg.mtp_block_from_last_layer)
-    if cfg.init_from is not None and not resume:  # a resumed run's params come from its checkpoint
-        initial, carried = start_from(cfg.method, head_cfg, initial, vocab, start_head)
-        if progress:
-            print(f"jaxspec: starting from {cfg.init_from} ({carried} of {len(vocab.target_ids)} lm_head rows carried)")
-    params = trainable_params(initial)
-    opt_state = jax.jit(optimizer(cfg).init)(params)
     record = _run_record(cfg, data, target)
-    manager = _checkpoint_manager(out_dir)
+    manager = _checkpoint_manager(out_dir, keep_every)
     try:
         start = manager.latest_step() or 0
         if start and not resume:
@@ -280,13 +357,7 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
         if resume and not start:
             raise InvalidRequestError(f"nothing to resume: {out_dir} holds no training checkpoint")
         if start:
-            saved = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
-            ours, theirs = record["train_config"], TrainConfig.from_dict(saved["train_config"]).to_dict()
-            changed = sorted(name for name in ours if theirs.get(name) != ours[name])
-            other_target = any(saved.get(key) != record[key] for key in target_identity(target))
-            if changed or saved["data"] != record["data"] or other_target:
-                what = f"settings {changed}" if changed else "data or target (its config or weight format)"
-                raise InvalidRequestError(f"cannot resume {out_dir}: its run used different {what}")
+            _check_same_run(out_dir, record, "resume", list(target_identity(target)))
             params, opt_state = _restore_checkpoint(manager, start, params, opt_state, cfg.seed)
         else:
             (out_dir / RUN_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
@@ -324,29 +395,58 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     finally:
         manager.close()
 
-    head_params = params
-    if cfg.method is Method.EAGLE3:
-        head_params = dataclasses.replace(params, d2t=jnp.asarray(vocab.d2t, jnp.int32))
-    # As `jaxspec.load(out_dir)` gives it: q/k/v and gate/up fused.
-    head = Model(config=head_cfg, params=layers.fuse_projections(head_params), source=str(out_dir))
-    head_path = None
-    if done == cfg.steps:
-        if cfg.method is Method.EAGLE3:
-            checkpoints.save_eagle3(out_dir, head_cfg, head_params, dtype=_HEAD_DTYPES[head_dtype])
-            head_path = out_dir
-        else:
-            head_path = out_dir / MTP_HEAD_DIR
-            checkpoints.save_mtp_head(head_path, head_cfg, head_params)
+    head_params, head = _head_of(cfg, setup, params, str(out_dir))
+    head_path = _write_head(cfg.method, out_dir, setup.head_cfg, head_params, head_dtype) if done == cfg.steps else None
     return TrainResult(head=head, config=cfg, step=done, history=history, validation=validation, head_path=head_path,
                        interrupted=interruption.received)
 
+
+def export_head(target: Model, run_dir: str | os.PathLike[str], dest: str | os.PathLike[str], *,
+                step: int | None = None, head_dtype: str = "float32") -> pathlib.Path:
+    """Write the head of one checkpoint of the run in `run_dir` (its latest, or `step`) to `dest`,
+    without training: to measure a run that has not finished, or the heads a run passed through
+    (`train(keep_every=...)`), which make the curve of acceptance against data seen.
+
+    `target` must have the run's config (its weight format only shapes features, so any will do).
+    The head goes where `jaxspec.load` finds it (EAGLE-3 into `dest`, MTP into `dest/mtp_head`),
+    with EXPORT_FILE beside it naming the run and the step. Returns the head's path."""
+    _check_head_dtype(head_dtype)
+    run_dir, dest = pathlib.Path(run_dir), pathlib.Path(dest)
+    cfg, data = saved_run(run_dir)
+    if dest.exists() and dest.resolve() == run_dir.resolve():
+        raise InvalidRequestError(f"export the head to another directory than its run's ({run_dir}): a run writes "
+                                  "its own head when it completes")
+    for existing in (dest / "config.json", dest / MTP_HEAD_DIR, dest / RUN_FILE):
+        if existing.exists():
+            raise InvalidRequestError(f"{dest} already holds a head or a run ({existing.name}); "
+                                      "choose another directory")
+    _check_same_run(run_dir, _run_record(cfg, data, target), "export a head of", ["target_config"])
+    setup = _set_up(target, data, cfg, restoring=True)
+    manager = _checkpoint_manager(run_dir)
+    try:
+        kept = sorted(manager.all_steps())
+        if not kept:
+            raise InvalidRequestError(f"{run_dir} holds no training checkpoint to export")
+        step = kept[-1] if step is None else step
+        if step not in kept:
+            raise InvalidRequestError(f"{run_dir} holds no checkpoint at step {step}; it holds steps {kept}")
+        params, _ = _restore_checkpoint(manager, step, setup.params, setup.opt_state, cfg.seed)
+    finally:
+        manager.close()
+    dest.mkdir(parents=True, exist_ok=True)
+    head_params, _ = _head_of(cfg, setup, params, str(dest))
+    path = _write_head(cfg.method, dest, setup.head_cfg, head_params, head_dtype)
+    (dest / EXPORT_FILE).write_text(json.dumps({"run": str(run_dir.absolute()), "step": step, "steps": cfg.steps},
+                                               indent=2), encoding="utf-8")
+    return path
 
 
 def saved_run(out_dir: str | os.PathLike[str]) -> tuple[TrainConfig, Dataset]:
     """The settings and data a run in `out_dir` was started with (to resume it as it was)."""
     out_dir = pathlib.Path(out_dir)
     if not (out_dir / RUN_FILE).is_file() or not (out_dir / DATA_FILE).is_file():
-        raise InvalidRequestError(f"nothing to resume: {out_dir} holds no training run ({RUN_FILE}, {DATA_FILE})")
+        raise InvalidRequestError(f"nothing to resume or export: {out_dir} holds no training run "
+                                  f"({RUN_FILE}, {DATA_FILE})")
     record = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
     return TrainConfig.from_dict(record["train_config"]), Dataset.load(out_dir / DATA_FILE)
 
@@ -369,7 +469,7 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
                num_passage_prompts: int = 192, distill_batch_size: int = 32, chat: bool | None = None,
                resume: bool = False, tau_prompts: int = 8, num_draft_tokens: int = 3,
                feature_dir: str | os.PathLike[str] | None = None, head_dtype: str = "float32",
-               weight_format: str | quant.WeightFormat = "auto",
+               keep_every: int | None = None, weight_format: str | quant.WeightFormat = "auto",
                progress: bool = True) -> tuple[TrainResult, SpecStats | None]:
     """Load the target (a name or path, or a loaded Model), build the training data, train, write
     the head, and measure tau on up to `tau_prompts` held-out prompts.
@@ -378,8 +478,8 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
     train_data.npz: an EAGLE-3 and an MTP head can share one), else `prompts` answered by the
     target (`chat` None = through the chat template when the tokenizer has one), else the
     built-in self-instruct set (`self_instruct_examples`: `num_prompts` topic prompts and
-    `num_passage_prompts` over the target's own articles). `feature_dir` and `head_dtype` go to
-    `train`. `weight_format` is the format a name or path loads in (an int8 target trains the head
+    `num_passage_prompts` over the target's own articles). `feature_dir`, `head_dtype` and
+    `keep_every` go to `train`. `weight_format` is the format a name or path loads in (an int8 target trains the head
     on its int8 trunk's features, for serving under int8). With `resume`, the run in `out_dir`
     continues with its own saved settings and data (`cfg`, `prompts` and `data` are ignored).
     Arguments are checked before the target loads."""
@@ -389,6 +489,7 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise InvalidRequestError(f"{name} must be an integer >= {least}; got {value!r}")
     _check_head_dtype(head_dtype)
+    _check_keep_every(keep_every)
     quant.WeightFormat.parse(weight_format)  # a bad name is refused here, before the target loads
     if resume:
         cfg, data = saved_run(out_dir)
@@ -416,7 +517,7 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
                                           batch_size=distill_batch_size, seed=cfg.seed, progress=progress)
         data = pack(examples, seq_len)
     result = train(target, data, out_dir, cfg, resume=resume, feature_dir=feature_dir, head_dtype=head_dtype,
-                   progress=progress)
+                   keep_every=keep_every, progress=progress)
     stats = None
     _, val_rows = split_rows(data, cfg.val_fraction, cfg.seed)
     held_out = [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in val_rows[:tau_prompts]]
