@@ -170,7 +170,7 @@ def build_times(model):
         start = time.perf_counter()
         grammar.compile_grammar(fresh, model.config.vocab_size, json_schema=json.dumps(schema))
         warm = time.perf_counter() - start
-        grammar._cached_table.cache_clear()  # time a build, not the cache
+        grammar.table._cached_table.cache_clear()  # time a build, not the cache
         start = time.perf_counter()
         table, _ = grammar.build_table([compiled], model.config.vocab_size)
         jax.block_until_ready(table)

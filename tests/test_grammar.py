@@ -372,7 +372,7 @@ def test_merged_table_rows_walk_as_their_own_tables(byte_level):
         merged, initial = build_table([digits, None, words, digits], v, layout=layout)
         assert initial[1] == FREE and initial[0] == initial[3] != initial[2]
         # digits stored once (then padded to the bucket)
-        assert merged.num_states == G._bucket(3 + digits.num_states + words.num_states)
+        assert merged.num_states == G.table._bucket(3 + digits.num_states + words.num_states)
         for row, grammar, text in [(0, digits, "1234"), (0, digits, "12a"), (2, words, "hello world"),
                                    (2, words, "hellp"), (1, None, "anything")]:
             ids = byte_level.encode(text)
