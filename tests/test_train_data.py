@@ -246,3 +246,32 @@ def test_a_kept_vocabulary_comes_first_then_the_data_ranking_fills_it():
     assert train.draft_vocab_size_for(data, 600, 0.05, first=many[:0]) == 256  # none kept: the plain size
     with pytest.raises(jaxspec.InvalidRequestError, match="ids to rank first"):
         train.draft_token_ranking(data, 600, first=np.asarray([600]))
+
+
+def test_lookup_predicted_marks_what_a_prompt_lookup_of_the_row_would_propose():
+    """Token t is marked when the token after the last earlier occurrence of its n preceding
+    tokens is t itself; the first occurrence of a context, and a context whose last follower
+    differs, are not."""
+    row = [5, 1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2, 4]
+    tokens = np.zeros((2, 16), np.int32)
+    tokens[0, : len(row)] = row
+    tokens[1, :4] = [1, 2, 1, 2]
+    data = train.Dataset(tokens, np.asarray([len(row), 4], np.int32), np.asarray([1, 1], np.int32))
+    marked = train.lookup_predicted(data, n=2)
+    # row 0: (1, 2) -> 3 at t=3 is new; t=4: (2, 3) -> 1 new; t=5: (3, 1) -> 2 new; t=6: (1, 2) last
+    # followed by 3: yes; t=7: (2, 3) -> 1 yes; t=8: (3, 1) -> 2 yes; t=9: (1, 2) -> 3 but 4: no;
+    # t=10: (2, 4) new; t=11: (4, 1) new; t=12: (1, 2) last followed by 4: yes. Padding: never.
+    assert np.flatnonzero(marked[0]).tolist() == [6, 7, 8, 12]
+    assert not marked[1].any()  # t=2: (1, 2) seen for the first time; t=3: (2, 1) too
+    assert np.flatnonzero(train.lookup_predicted(data, n=1)[1]).tolist() == [3]  # (1,) was followed by 2
+    with pytest.raises(jaxspec.InvalidRequestError, match="n must be an integer >= 1"):
+        train.lookup_predicted(data, n=0)
+
+
+def test_answer_positions_count_within_each_assistant_turn():
+    tokens = np.arange(10, dtype=np.int32)[None, :]
+    assistant = np.asarray([[0, 0, 1, 1, 1, 0, 0, 1, 1, 0]], bool)  # two turns, then padding
+    data = train.Dataset(tokens, np.asarray([9], np.int32), np.asarray([2], np.int32), assistant)
+    assert train.answer_positions(data).tolist() == [[-1, -1, 0, 1, 2, -1, -1, 0, 1, -1]]
+    single = train.Dataset(tokens, np.asarray([6], np.int32), np.asarray([3], np.int32))
+    assert train.answer_positions(single).tolist() == [[-1, -1, -1, 0, 1, 2, -1, -1, -1, -1]]

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.api import Model, generate, prompt_ids
-from jaxspec.errors import CheckpointError, InvalidRequestError
+from jaxspec.errors import CheckpointError, InvalidRequestError, is_integer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,6 +287,38 @@ def loss_mask(assistant: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     next_is_assistant = np.zeros_like(assistant, dtype=bool)
     next_is_assistant[:, :-1] = assistant[:, 1:]
     return next_is_assistant & (np.arange(assistant.shape[1])[None, :] < np.asarray(lengths)[:, None] - 1)
+
+
+def lookup_predicted(data: Dataset, n: int = 3) -> np.ndarray:
+    """bool[N, T]: token t is what a prompt lookup of order `n` over the row's own earlier tokens
+    proposes (the token that followed the last earlier occurrence of tokens t-n..t-1), the
+    tokens a draft head adds nothing for: a small model's answers that loop until the length
+    bound are mostly these (bench/corpus_repetition.py)."""
+    if not is_integer(n) or n < 1:
+        raise InvalidRequestError(f"n must be an integer >= 1; got {n!r}")
+    predicted = np.zeros(data.tokens.shape, bool)
+    for row in range(len(data)):
+        tokens = data.tokens[row, : data.lengths[row]].tolist()
+        follower: dict[tuple[int, ...], int] = {}  # n-gram -> the token after its last occurrence so far
+        for t in range(n, len(tokens)):
+            context = tuple(tokens[t - n: t])
+            predicted[row, t] = follower.get(context) == tokens[t]
+            follower[context] = tokens[t]
+    return predicted
+
+
+def answer_positions(data: Dataset) -> np.ndarray:
+    """int[N, T]: each assistant token's index within its own turn (0 = the turn's first token);
+    -1 where the assistant did not write the token."""
+    assistant = data.assistant_tokens()
+    positions = np.full(assistant.shape, -1, np.int64)
+    for row in range(len(data)):
+        turn_start = 0
+        for t in np.flatnonzero(assistant[row]):
+            if t == 0 or not assistant[row, t - 1]:
+                turn_start = t
+            positions[row, t] = t - turn_start
+    return positions
 
 
 def split_rows(data: Dataset, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
