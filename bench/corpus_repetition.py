@@ -22,7 +22,6 @@ import pathlib
 import platform
 import sys
 
-import numpy as np
 
 from results_md import add_output_options, replace_section  # bench/ is on sys.path when a bench script runs
 
