@@ -22,7 +22,6 @@ import pathlib
 import platform
 import sys
 
-
 from results_md import add_output_options, replace_section  # bench/ is on sys.path when a bench script runs
 
 from jaxspec.train import answer_positions, load_datasets, lookup_predicted
