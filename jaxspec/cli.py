@@ -384,7 +384,8 @@ def _train_head(args) -> int:
                                      keep_every=args.keep_every, weight_format=args.weight_format)
     summary = f"{result.config.method.value} head: {result.step} steps"
     if result.validation is not None:
-        summary += f", validation loss {result.validation['loss']:.3f}, top-1 {result.validation['top1']:.3f}"
+        summary += (f", validation loss {result.validation['loss']:.3f}, top-1 {result.validation['top1']:.3f} "
+                    f"({result.validation['top1_new']:.3f} on new text)")
     if stats is not None:
         summary += (f"; tau {stats.tau:.2f} (k={stats.num_draft_tokens}, acceptance {stats.acceptance_rate:.0%}) "
                     f"on {stats.rows} held-out prompts")

@@ -275,3 +275,17 @@ def test_answer_positions_count_within_each_assistant_turn():
     assert train.answer_positions(data).tolist() == [[-1, -1, 0, 1, 2, -1, -1, 0, 1, -1]]
     single = train.Dataset(tokens, np.asarray([6], np.int32), np.asarray([3], np.int32))
     assert train.answer_positions(single).tolist() == [[-1, -1, -1, 0, 1, 2, -1, -1, -1, -1]]
+
+
+def test_a_batchs_lookup_mask_is_aligned_with_its_loss_mask():
+    """`next_is_lookup_predicted(rows, width)[b, t]` is `lookup_predicted` of token t + 1, as the
+    loss mask at t is about token t + 1; nothing past a row's end, nothing for an empty row."""
+    tokens = np.random.default_rng(0).integers(0, 3, (3, 12)).astype(np.int32)
+    tokens[2] = [0, 1, 2] * 4  # a loop: every token from t = 4 on is what the lookup proposes
+    data = train.Dataset(tokens, np.asarray([12, 7, 9], np.int32), np.asarray([2, 2, 3], np.int32))
+    whole = train.lookup_predicted(data, n=2)
+    batch = data.next_is_lookup_predicted(np.asarray([2, -1, 1]), 12, n=2)
+    np.testing.assert_array_equal(batch[0, :8], whole[2, 1:9])
+    assert not batch[0, 8:].any() and not batch[1].any()
+    np.testing.assert_array_equal(batch[2, :6], whole[1, 1:7])
+    assert whole[2, 1:9].any() and not batch[2, 6:].any()

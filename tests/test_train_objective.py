@@ -115,3 +115,35 @@ def test_chain_attention_in_query_blocks_is_the_whole_attention():
         np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-6)
         for ours, theirs in zip(jax.tree.leaves(blocked_grads), jax.tree.leaves(whole_grads)):
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_agreement_on_new_text_leaves_out_the_positions_a_lookup_proposes():
+    """With `lookup_predicted` in the targets (validation adds it, aligned with the loss mask), the
+    agreement is also counted over the other positions only; the loss and the overall counts are
+    unchanged. Marking every loss position leaves no new text at any depth, marking none leaves
+    all of it: a mask read one position off would leave some either way."""
+    spec, params, frozen, _ = _head(Method.EAGLE3)
+    keys = jax.random.split(jax.random.PRNGKey(11), 4)
+    frozen = {**frozen, "target_to_draft": jnp.where(jnp.arange(VOCAB) < EAGLE.draft_vocab_size,
+                                                     jnp.arange(VOCAB), -1)}
+    loss_mask = jnp.arange(STEPS)[None, :] >= jnp.asarray([[2], [4]])  # bool[B, T]: responses after a prompt
+    targets = {"tokens": jax.random.randint(keys[0], (BATCH, STEPS), 0, VOCAB),
+               "features": tuple(jax.random.normal(k, (BATCH, STEPS, DIM)) for k in jax.random.split(keys[1], 3)),
+               "labels": jax.random.randint(keys[2], (BATCH, STEPS), 0, VOCAB), "loss_mask": loss_mask}
+    terms = jax.jit(objective._loss_terms, static_argnums=3)
+    plain = terms(params, frozen, targets, spec)
+    assert "new_scored" not in plain  # training steps carry no such terms
+    every = terms(params, frozen, {**targets, "lookup_predicted": loss_mask}, spec)
+    none = terms(params, frozen, {**targets, "lookup_predicted": ~loss_mask}, spec)
+    some = terms(params, frozen, {**targets, "lookup_predicted": jax.random.bernoulli(keys[3], 0.5, (BATCH, STEPS))},
+                 spec)
+    for counted in (every, none, some):
+        for name in ("ce_sum", "count", "correct", "scored"):
+            np.testing.assert_array_equal(counted[name], plain[name])
+    assert np.all(plain["scored"] > 0) and np.all(every["new_scored"] == 0) and np.all(every["new_correct"] == 0)
+    np.testing.assert_array_equal(none["new_scored"], plain["scored"])
+    np.testing.assert_array_equal(none["new_correct"], plain["correct"])
+    assert 0 < some["new_scored"][0] < plain["scored"][0]
+    summary = objective.summarise(jax.device_get(some), step_decay=0.8)
+    assert summary["new_share"] == pytest.approx(float(some["new_scored"][0] / plain["scored"][0]))
+    assert len(summary["top1_new_by_step"]) == TTT

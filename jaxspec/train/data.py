@@ -78,6 +78,11 @@ def tokenize_prompts(model: Model, prompts: Sequence[str | Sequence[int]], *, ch
     return prompt_ids(list(prompts), model, chat)
 
 
+# The n-gram order of the lookup that tells repeated answer text from new text (`lookup_predicted`):
+# the ngram proposer's longest match by default (ngram_max).
+LOOKUP_ORDER = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Example:
     tokens: tuple[int, ...]  # prompt then the target's answer
@@ -179,6 +184,16 @@ class Dataset:
             "prompt_lengths": jnp.asarray(np.where(empty, 0, self.prompt_lengths[safe])),
             "loss_mask": jnp.asarray(loss_mask(self.assistant_tokens(safe)[:, :width], lengths)),
         }
+
+    def next_is_lookup_predicted(self, indices: Sequence[int], width: int, n: int = LOOKUP_ORDER) -> np.ndarray:
+        """bool[B, width], aligned with `batch`'s loss mask: position t's next token is one a
+        prompt lookup of order `n` over the row proposes (`lookup_predicted`); -1: an empty row."""
+        out = np.zeros((len(indices), width), bool)
+        for i, row in enumerate(np.asarray(indices)):
+            if row >= 0:
+                length = min(int(self.lengths[row]), width + 1)
+                out[i, : length - 1] = _lookup_predicted_row(self.tokens[row, :length].tolist(), n)[1:]
+        return out
 
     def subset(self, indices: Sequence[int]) -> "Dataset":
         indices = np.asarray(indices, np.int64)
@@ -289,7 +304,7 @@ def loss_mask(assistant: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return next_is_assistant & (np.arange(assistant.shape[1])[None, :] < np.asarray(lengths)[:, None] - 1)
 
 
-def lookup_predicted(data: Dataset, n: int = 3) -> np.ndarray:
+def lookup_predicted(data: Dataset, n: int = LOOKUP_ORDER) -> np.ndarray:
     """bool[N, T]: token t is what a prompt lookup of order `n` over the row's own earlier tokens
     proposes (the token that followed the last earlier occurrence of tokens t-n..t-1), the
     tokens a draft head adds nothing for: a small model's answers that loop until the length
@@ -298,12 +313,19 @@ def lookup_predicted(data: Dataset, n: int = 3) -> np.ndarray:
         raise InvalidRequestError(f"n must be an integer >= 1; got {n!r}")
     predicted = np.zeros(data.tokens.shape, bool)
     for row in range(len(data)):
-        tokens = data.tokens[row, : data.lengths[row]].tolist()
-        follower: dict[tuple[int, ...], int] = {}  # n-gram -> the token after its last occurrence so far
-        for t in range(n, len(tokens)):
-            context = tuple(tokens[t - n: t])
-            predicted[row, t] = follower.get(context) == tokens[t]
-            follower[context] = tokens[t]
+        length = int(data.lengths[row])
+        predicted[row, :length] = _lookup_predicted_row(data.tokens[row, :length].tolist(), n)
+    return predicted
+
+
+def _lookup_predicted_row(tokens: list[int], n: int) -> np.ndarray:
+    """bool[len(tokens)]: `lookup_predicted` of one row's valid tokens."""
+    predicted = np.zeros(len(tokens), bool)
+    follower: dict[tuple[int, ...], int] = {}  # n-gram -> the token after its last occurrence so far
+    for t in range(n, len(tokens)):
+        context = tuple(tokens[t - n: t])
+        predicted[t] = follower.get(context) == tokens[t]
+        follower[context] = tokens[t]
     return predicted
 
 

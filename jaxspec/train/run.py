@@ -209,6 +209,10 @@ def _check_head_dtype(head_dtype: str) -> None:
         raise InvalidRequestError(f"head_dtype must be one of {sorted(_HEAD_DTYPES)}; got {head_dtype!r}")
 
 
+def _by_depth(values: Sequence[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
+
+
 def _check_keep_every(keep_every: int | None) -> None:
     if keep_every is not None and (not isinstance(keep_every, int) or isinstance(keep_every, bool) or keep_every < 1):
         raise InvalidRequestError(f"keep_every must be an integer >= 1; got {keep_every!r}")
@@ -368,6 +372,11 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
         widths = bucket_widths(data.lengths, cfg.bucket_width, data.seq_len)
         order = BatchOrder(train_rows, widths[train_rows], cfg.batch_size, cfg.seed)
         val_batches = length_batches(val_rows, widths[val_rows], cfg.batch_size)
+
+        def val_targets_for(rows, width):  # validation also tells new text from what a lookup proposes
+            return {**targets_for(rows, width),
+                    "lookup_predicted": jnp.asarray(data.next_is_lookup_predicted(rows, width))}
+
         stop = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         history: list[dict[str, float]] = []
         validation = None
@@ -383,10 +392,11 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
                 bar.set_postfix(loss=f"{summary['loss']:.3f}", top1=f"{summary['top1']:.2f}")
                 bar.update()
                 if len(val_rows) and (done % cfg.eval_every == 0 or done == cfg.steps):
-                    validation = evaluate(params, frozen, val_batches, targets_for, spec)
+                    validation = evaluate(params, frozen, val_batches, val_targets_for, spec)
                     bar.write(f"step {done}: validation loss {validation['loss']:.4f}, "
-                              f"top-1 {validation['top1']:.3f} (by depth "
-                              f"{', '.join(f'{t:.2f}' for t in validation['top1_by_step'])})")
+                              f"top-1 {validation['top1']:.3f} (by depth {_by_depth(validation['top1_by_step'])}); "
+                              f"on new text ({validation['new_share']:.0%} of the positions, the rest a "
+                              f"lookup's) {validation['top1_new']:.3f} ({_by_depth(validation['top1_new_by_step'])})")
                 if done % cfg.save_every == 0 or done == stop or interruption.received:
                     _save_checkpoint(manager, done, params, opt_state, cfg.seed)
                 if interruption.received:
