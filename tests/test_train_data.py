@@ -289,3 +289,12 @@ def test_a_batchs_lookup_mask_is_aligned_with_its_loss_mask():
     assert not batch[0, 8:].any() and not batch[1].any()
     np.testing.assert_array_equal(batch[2, :6], whole[1, 1:7])
     assert whole[2, 1:9].any() and not batch[2, 6:].any()
+
+
+def test_a_batchs_answer_positions_are_aligned_with_its_loss_mask():
+    tokens = np.arange(10, dtype=np.int32)[None, :].repeat(2, axis=0)
+    assistant = np.asarray([[0, 0, 1, 1, 1, 0, 0, 1, 1, 0]] * 2, bool)
+    data = train.Dataset(tokens, np.asarray([9, 9], np.int32), np.asarray([2, 2], np.int32), assistant)
+    # Position t holds the answer index of token t + 1: token 2 opens the first turn, token 7 the second.
+    assert data.next_answer_positions(np.asarray([1, -1]), 9).tolist() == [[-1, 0, 1, 2, -1, -1, 0, 1, -1],
+                                                                            [-1] * 9]

@@ -117,11 +117,12 @@ def test_chain_attention_in_query_blocks_is_the_whole_attention():
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_agreement_on_new_text_leaves_out_the_positions_a_lookup_proposes():
-    """With `lookup_predicted` in the targets (validation adds it, aligned with the loss mask), the
-    agreement is also counted over the other positions only; the loss and the overall counts are
-    unchanged. Marking every loss position leaves no new text at any depth, marking none leaves
-    all of it: a mask read one position off would leave some either way."""
+def test_agreement_is_also_counted_within_each_subset_of_positions_validation_names():
+    """With subsets of positions in the targets (validation adds them, aligned with the loss mask:
+    "new", where a prompt lookup proposes nothing), the agreement is also counted within each; the
+    loss and the overall counts are unchanged. A subset of no loss position counts nothing at any
+    depth, one of every loss position counts them all: a mask read one position off would count
+    some in the first and miss some in the second."""
     spec, params, frozen, _ = _head(Method.EAGLE3)
     keys = jax.random.split(jax.random.PRNGKey(11), 4)
     frozen = {**frozen, "target_to_draft": jnp.where(jnp.arange(VOCAB) < EAGLE.draft_vocab_size,
@@ -133,10 +134,10 @@ def test_agreement_on_new_text_leaves_out_the_positions_a_lookup_proposes():
     terms = jax.jit(objective._loss_terms, static_argnums=3)
     plain = terms(params, frozen, targets, spec)
     assert "new_scored" not in plain  # training steps carry no such terms
-    every = terms(params, frozen, {**targets, "lookup_predicted": loss_mask}, spec)
-    none = terms(params, frozen, {**targets, "lookup_predicted": ~loss_mask}, spec)
-    some = terms(params, frozen, {**targets, "lookup_predicted": jax.random.bernoulli(keys[3], 0.5, (BATCH, STEPS))},
-                 spec)
+    every = terms(params, frozen, {**targets, "subsets": {"new": ~loss_mask}}, spec)  # every loss position repeats
+    none = terms(params, frozen, {**targets, "subsets": {"new": loss_mask}}, spec)
+    some = terms(params, frozen, {**targets, "subsets": {"new": jax.random.bernoulli(keys[3], 0.5, (BATCH, STEPS)),
+                                                          "all": jnp.ones((BATCH, STEPS), bool)}}, spec)
     for counted in (every, none, some):
         for name in ("ce_sum", "count", "correct", "scored"):
             np.testing.assert_array_equal(counted[name], plain[name])
@@ -144,6 +145,8 @@ def test_agreement_on_new_text_leaves_out_the_positions_a_lookup_proposes():
     np.testing.assert_array_equal(none["new_scored"], plain["scored"])
     np.testing.assert_array_equal(none["new_correct"], plain["correct"])
     assert 0 < some["new_scored"][0] < plain["scored"][0]
+    np.testing.assert_array_equal(some["all_scored"], plain["scored"])  # subsets are counted each on its own
     summary = objective.summarise(jax.device_get(some), step_decay=0.8)
     assert summary["new_share"] == pytest.approx(float(some["new_scored"][0] / plain["scored"][0]))
     assert len(summary["top1_new_by_step"]) == TTT
+    assert summary["all_share"] == 1.0 and summary["top1_all"] == summary["top1"]

@@ -78,6 +78,10 @@ def tokenize_prompts(model: Model, prompts: Sequence[str | Sequence[int]], *, ch
     return prompt_ids(list(prompts), model, chat)
 
 
+# Spec-Bench's runs of a head measure the first 128 tokens of each answer (bench/heads.py): validation
+# scores those apart.
+EARLY_ANSWER_TOKENS = 128
+
 # The n-gram order of the lookup that tells repeated answer text from new text (`lookup_predicted`):
 # the ngram proposer's longest match by default (ngram_max).
 LOOKUP_ORDER = 3
@@ -193,6 +197,16 @@ class Dataset:
             if row >= 0:
                 length = min(int(self.lengths[row]), width + 1)
                 out[i, : length - 1] = _lookup_predicted_row(self.tokens[row, :length].tolist(), n)[1:]
+        return out
+
+    def next_answer_positions(self, indices: Sequence[int], width: int) -> np.ndarray:
+        """int[B, width], aligned with `batch`'s loss mask: the index within its answer of position
+        t's next token (`answer_positions`); -1 where that token is no answer's, or for row -1."""
+        indices = np.asarray(indices)
+        out = np.full((len(indices), width), -1, np.int64)
+        valid = np.flatnonzero(indices >= 0)
+        positions = answer_positions(self.subset(indices[valid]))[:, 1: width + 1]
+        out[valid, : positions.shape[1]] = positions
         return out
 
     def subset(self, indices: Sequence[int]) -> "Dataset":

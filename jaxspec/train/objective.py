@@ -102,10 +102,10 @@ def in_compute_dtype(params: HeadParams, frozen: Frozen, compute_dtype: str) -> 
 def _loss_terms(params: HeadParams, frozen: Frozen, targets: dict[str, Any], spec: StepSpec) -> dict[str, jax.Array]:
     """Per unrolled step j: summed cross-entropy and its position count, and top-1 agreement with
     the target (correct, out of all response positions the step can reach). All float32[J].
-    `targets` is `target_batch`'s output; where it also holds `lookup_predicted` (bool[B, T],
-    aligned with the loss mask: the next token is one a prompt lookup proposes, as validation
-    adds it), the agreement is counted on the other positions too (new_correct, new_scored):
-    the new text a head is needed for."""
+    `targets` is `target_batch`'s output; where it also holds `subsets` ({name: bool[B, T]},
+    aligned with the loss mask, as validation adds them: e.g. "new", the positions whose next
+    token a prompt lookup does not propose), the agreement is also counted within each
+    ({name}_correct, {name}_scored). A training step has none, so its program is unchanged."""
     params, frozen = in_compute_dtype(params, frozen, spec.train.compute_dtype)
     tokens = targets["tokens"]  # int32[B, T]
     features = targets["features"]
@@ -114,7 +114,7 @@ def _loss_terms(params: HeadParams, frozen: Frozen, targets: dict[str, Any], spe
     tokens_in = _shift_left(tokens)  # [B, T]
     label_target = _shift_left(targets["labels"])  # [B, T]
     responds = _shift_left(targets["loss_mask"])  # bool[B, T]
-    repeats = _shift_left(targets["lookup_predicted"]) if "lookup_predicted" in targets else None  # bool[B, T]
+    subsets = {name: _shift_left(mask) for name, mask in targets.get("subsets", {}).items()}  # each bool[B, T]
     label_draft = jnp.take(frozen["target_to_draft"], label_target)  # [B, T]; -1: not draftable
     if spec.train.soft_labels:
         label_probs = _shift_left(targets["label_probs"])  # [B, T, Vd]
@@ -141,10 +141,10 @@ def _loss_terms(params: HeadParams, frozen: Frozen, targets: dict[str, Any], spe
         agrees = agrees_with_target(logits, label)
         terms = {"ce_sum": jnp.sum(jnp.where(mask, ce, 0.0)), "count": jnp.sum(mask).astype(jnp.float32),
                  "correct": jnp.sum(agrees & scored).astype(jnp.float32), "scored": jnp.sum(scored).astype(jnp.float32)}
-        if repeats is not None:
-            new_text = scored & ~_from_depth(repeats, depth, max_depth)
-            terms |= {"new_correct": jnp.sum(agrees & new_text).astype(jnp.float32),
-                      "new_scored": jnp.sum(new_text).astype(jnp.float32)}
+        for name, subset in subsets.items():
+            counted = scored & _from_depth(subset, depth, max_depth)
+            terms |= {f"{name}_correct": jnp.sum(agrees & counted).astype(jnp.float32),
+                      f"{name}_scored": jnp.sum(counted).astype(jnp.float32)}
         return terms
 
     return unrolled(spec, params, frozen, tokens_in, g, terms_at)  # each float32[J]
@@ -213,16 +213,16 @@ def _eval_step(params: HeadParams, frozen: Frozen, targets: dict[str, Any], *, s
 
 def summarise(terms: dict[str, np.ndarray], step_decay: float) -> dict[str, Any]:
     """loss (the training objective), top1 (the first draft's agreement with the target) and
-    top1_by_step (agreement at each unrolled depth); with the new-text terms (`_loss_terms`),
-    top1_new and top1_new_by_step, the same over positions whose token a lookup does not propose."""
+    top1_by_step (agreement at each unrolled depth); for each subset of positions counted apart
+    (`_loss_terms`), top1_{name}, top1_{name}_by_step and {name}_share (its part of the positions)."""
     weights = step_decay ** np.arange(len(terms["ce_sum"]))
     loss = float(np.sum(weights * terms["ce_sum"] / np.maximum(terms["count"], 1.0)))
     top1 = terms["correct"] / np.maximum(terms["scored"], 1.0)
     summary = {"loss": loss, "top1": float(top1[0]), "top1_by_step": [float(t) for t in top1]}
-    if "new_scored" in terms:
-        new = terms["new_correct"] / np.maximum(terms["new_scored"], 1.0)
-        summary |= {"top1_new": float(new[0]), "top1_new_by_step": [float(t) for t in new],
-                    "new_share": float(terms["new_scored"][0] / max(float(terms["scored"][0]), 1.0))}
+    for name in [key[: -len("_scored")] for key in terms if key.endswith("_scored") and key != "scored"]:
+        within = terms[f"{name}_correct"] / np.maximum(terms[f"{name}_scored"], 1.0)
+        summary |= {f"top1_{name}": float(within[0]), f"top1_{name}_by_step": [float(t) for t in within],
+                    f"{name}_share": float(terms[f"{name}_scored"][0] / max(float(terms["scored"][0]), 1.0))}
     return summary
 
 

@@ -49,6 +49,7 @@ from jaxspec.errors import CheckpointError, InvalidRequestError
 from jaxspec.models import eagle3, layers, quant
 from jaxspec.train.config import Method, StepSpec, TrainConfig, optimizer
 from jaxspec.train.data import (
+    EARLY_ANSWER_TOKENS,
     BatchOrder,
     Dataset,
     DraftVocab,
@@ -373,9 +374,12 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
         order = BatchOrder(train_rows, widths[train_rows], cfg.batch_size, cfg.seed)
         val_batches = length_batches(val_rows, widths[val_rows], cfg.batch_size)
 
-        def val_targets_for(rows, width):  # validation also tells new text from what a lookup proposes
-            return {**targets_for(rows, width),
-                    "lookup_predicted": jnp.asarray(data.next_is_lookup_predicted(rows, width))}
+        def val_targets_for(rows, width):
+            """Validation also scores apart the new text (what a prompt lookup over the row does not
+            propose) and the first EARLY_ANSWER_TOKENS of each answer (what Spec-Bench measures)."""
+            subsets = {"new": ~data.next_is_lookup_predicted(rows, width),
+                       "early": data.next_answer_positions(rows, width) < EARLY_ANSWER_TOKENS}
+            return {**targets_for(rows, width), "subsets": {name: jnp.asarray(m) for name, m in subsets.items()}}
 
         stop = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         history: list[dict[str, float]] = []
@@ -396,7 +400,9 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
                     bar.write(f"step {done}: validation loss {validation['loss']:.4f}, "
                               f"top-1 {validation['top1']:.3f} (by depth {_by_depth(validation['top1_by_step'])}); "
                               f"on new text ({validation['new_share']:.0%} of the positions, the rest a "
-                              f"lookup's) {validation['top1_new']:.3f} ({_by_depth(validation['top1_new_by_step'])})")
+                              f"lookup's) {validation['top1_new']:.3f} ({_by_depth(validation['top1_new_by_step'])}); "
+                              f"on the first {EARLY_ANSWER_TOKENS} answer tokens ({validation['early_share']:.0%}) "
+                              f"{validation['top1_early']:.3f} ({_by_depth(validation['top1_early_by_step'])})")
                 if done % cfg.save_every == 0 or done == stop or interruption.received:
                     _save_checkpoint(manager, done, params, opt_state, cfg.seed)
                 if interruption.received:
