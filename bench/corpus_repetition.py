@@ -20,9 +20,8 @@ import argparse
 import datetime
 import pathlib
 import platform
-import sys
 
-from results_md import add_output_options, replace_section  # bench/ is on sys.path when a bench script runs
+from results_md import add_output_options, command_line, publish  # bench/ is on sys.path when a bench script runs
 
 from jaxspec.train import answer_positions, load_datasets, lookup_predicted
 
@@ -69,12 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"Tokens 0-127 of each answer, where Spec-Bench's 128-token runs measure a head, are "
               f"{first.sum() / total:.0%} of the assistant tokens; a lookup predicts {predicted[first].mean():.0%} "
               f"of them and {predicted[answered & ~first].mean():.0%} of the rest.",
-              "", "Command: `" + " ".join(["python bench/corpus_repetition.py",
-                                          *(argv if argv is not None else sys.argv[1:])]) + "`"]
-    section = "\n".join(lines)
-    print(section)
-    if not args.no_write:
-        replace_section(args.results, title, section)
+              "", command_line("corpus_repetition.py", argv)]
+    publish("\n".join(lines), title, args.results, write=not args.no_write)
     return 0
 
 

@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 
-from results_md import add_output_options, replace_section  # bench/ is on sys.path when a bench script runs
+from results_md import add_output_options, command_line, publish  # bench/ is on sys.path when a bench script runs
 
 import jaxspec
 from jaxspec import train
@@ -90,12 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {name} ({path}) | {result.stats.acceptance_by_position[0]:.3f} | {result.stats.tau:.2f} | "
                      f"{agreeing / counted:.3f} ({counted} positions) |")
         print(lines[-1], flush=True)
-    lines += ["", "Command: `" + " ".join(["python bench/head_agreement.py",
-                                          *(argv if argv is not None else sys.argv[1:])]) + "`"]
-    section = "\n".join(lines)
-    print(section)
-    if not args.no_write:
-        replace_section(args.results, title, section)
+    lines += ["", command_line("head_agreement.py", argv)]
+    publish("\n".join(lines), title, args.results, write=not args.no_write)
     return 0
 
 

@@ -43,7 +43,7 @@ import sys
 import jax
 import numpy as np
 
-from results_md import add_output_options, replace_section  # bench/ is on sys.path when a bench script runs
+from results_md import add_output_options, command_line, publish  # bench/ is on sys.path when a bench script runs
 from spec import DEFAULT_QUESTIONS, GROUPS, TIMING_STOP_TOKEN, pick_prompts
 
 import jaxspec
@@ -224,11 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(median ratio of decode tokens/s; plain {speed['plain']:.1f} tok/s):", "",
                   "| head | speedup over plain |", "|---|---:|"]
         lines += [f"| {name} | {speed[name]:.2f}x |" for name in heads]
-    lines += ["", "Command: `python bench/heads.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`"]
-    section = "\n".join(lines)
-    print(section)
-    if not args.no_write:
-        replace_section(args.results, title, section)
+    lines += ["", command_line("heads.py", argv)]
+    publish("\n".join(lines), title, args.results, write=not args.no_write)
     return 0
 
 

@@ -9,6 +9,7 @@ import os
 import pathlib
 import platform
 import re
+import sys
 
 RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
 
@@ -43,6 +44,12 @@ def publish(section: str, heading: str, path: pathlib.Path, write: bool = True) 
     if write:
         replace_section(path, heading, section)
         print(f"wrote {path}")
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """A section's last line: the command that wrote it, `script` (e.g. "heads.py") with its
+    arguments (`argv`, or the process's own when None)."""
+    return "Command: `" + " ".join([f"python bench/{script}", *(sys.argv[1:] if argv is None else argv)]) + "`"
 
 
 def run_stamp(load: tuple[float, float], *, commit: str | None = None, detail: str = "") -> str:

@@ -48,6 +48,13 @@ def test_the_stamp_names_the_load_and_what_it_is_told():
     assert ", jaxspec abc1234+dirty; " in told and told.endswith("at the end; medians over 3 prompts).")
 
 
+def test_the_command_line_names_the_script_and_its_arguments(monkeypatch):
+    assert results_md.command_line("heads.py", ["--k", "4"]) == "Command: `python bench/heads.py --k 4`"
+    assert results_md.command_line("heads.py", []) == "Command: `python bench/heads.py`"
+    monkeypatch.setattr(sys, "argv", ["bench/heads.py", "--tree", "4,8,16"])
+    assert results_md.command_line("heads.py", None) == "Command: `python bench/heads.py --tree 4,8,16`"
+
+
 @pytest.fixture
 def heads_script(monkeypatch):
     """bench/heads.py as a module, with bench/ on sys.path only while the test runs: the bench

@@ -22,7 +22,6 @@ DENSE_BUDGET_BYTES = 8 << 20  # "auto" looks at the sparse layout only when the 
 LAYOUTS = ("dense", "classes", "sparse", "auto")
 
 
-
 @struct.dataclass
 class GrammarTable:
     """A batch's automata in one table; states are int32 indices into it (see module docstring).

@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxspec import checkpoints, compilation
 from jaxspec.api import Model, SpecStats, generate, lm_head_of
-from jaxspec.errors import CheckpointError, InvalidRequestError
+from jaxspec.errors import CheckpointError, InvalidRequestError, is_integer
 from jaxspec.models import eagle3, layers, quant
 from jaxspec.train.config import Method, StepSpec, TrainConfig, optimizer
 from jaxspec.train.data import (
@@ -215,7 +215,7 @@ def _by_depth(values: Sequence[float]) -> str:
 
 
 def _check_keep_every(keep_every: int | None) -> None:
-    if keep_every is not None and (not isinstance(keep_every, int) or isinstance(keep_every, bool) or keep_every < 1):
+    if keep_every is not None and (not is_integer(keep_every) or keep_every < 1):
         raise InvalidRequestError(f"keep_every must be an integer >= 1; got {keep_every!r}")
 
 
@@ -495,8 +495,9 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
     target (`chat` None = through the chat template when the tokenizer has one), else the
     built-in self-instruct set (`self_instruct_examples`: `num_prompts` topic prompts and
     `num_passage_prompts` over the target's own articles). `feature_dir`, `head_dtype` and
-    `keep_every` go to `train`. `weight_format` is the format a name or path loads in (an int8 target trains the head
-    on its int8 trunk's features, for serving under int8). With `resume`, the run in `out_dir`
+    `keep_every` go to `train`. `weight_format` is the format a name or path loads in (an int8
+    target trains the head on its int8 trunk's features, for serving under int8). With `resume`,
+    the run in `out_dir`
     continues with its own saved settings and data (`cfg`, `prompts` and `data` are ignored).
     Arguments are checked before the target loads."""
     for name, value, least in (("seq_len", seq_len, 4), ("max_new_tokens", max_new_tokens, 1),
