@@ -15,11 +15,11 @@ import os
 # a level already in XLA_FLAGS (someone timing the tests' programs at full optimization) is kept.
 #
 # The same holds for XLA:CPU's fusion emitters (its newer, MLIR-based code generator for fused
-# loops): with them off, the older elemental emitter writes the same fusions' loops, and a tiny
-# model's prefill and decode programs compile 2-3x faster (a decode loop's `.lower(...).compile()`
-# with prompt lookup: 2.3-3.7 s at level 0, 0.9-1.1 s with them off as well, runs alternated on
-# this 2-core CPU). The flag is known to the jaxlib the suite installs (0.10.x); an older one, which may
-# not know it (an unknown XLA flag aborts the process), keeps its default.
+# loops): with them off, the older elemental emitter writes the fused loops, and a tiny model's
+# prefill and decode programs compile 2-3x faster (a decode loop's `.lower(...).compile()` with
+# prompt lookup: 2.3-3.7 s at level 0, 0.9-1.1 s with them off as well, runs alternated on this
+# 2-core CPU). The jaxlib the suite installs (0.10.x) knows the flag; an older one may not (an
+# unknown XLA flag aborts the process), so it keeps its default.
 _SUITE_XLA_FLAGS = {"--xla_backend_optimization_level": "0"}
 if tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2]) >= (0, 10):
     _SUITE_XLA_FLAGS["--xla_cpu_use_fusion_emitters"] = "false"
