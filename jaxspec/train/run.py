@@ -497,9 +497,8 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
     `num_passage_prompts` over the target's own articles). `feature_dir`, `head_dtype` and
     `keep_every` go to `train`. `weight_format` is the format a name or path loads in (an int8
     target trains the head on its int8 trunk's features, for serving under int8). With `resume`,
-    the run in `out_dir`
-    continues with its own saved settings and data (`cfg`, `prompts` and `data` are ignored).
-    Arguments are checked before the target loads."""
+    the run in `out_dir` continues with its own saved settings and data (`cfg`, `prompts` and
+    `data` are ignored). Arguments are checked before the target loads."""
     for name, value, least in (("seq_len", seq_len, 4), ("max_new_tokens", max_new_tokens, 1),
                                ("num_prompts", num_prompts, 1), ("num_passage_prompts", num_passage_prompts, 0),
                                ("distill_batch_size", distill_batch_size, 1), ("tau_prompts", tau_prompts, 0)):
