@@ -1,15 +1,22 @@
-"""Online first-draft acceptance against teacher-forced agreement on the very text it produced:
-is a head's held-out validation figure what it does when drafting?
+"""EAGLE-3 heads on a corpus's held-out answers, by source, and online on a sample of its prompts:
+is a head's validation figure what it does when drafting, and on which kind of request?
 
-    . .venv/bin/activate && python bench/head_agreement.py --run runs/v2_r02 \
-        --head v1=eagle3-smollm2-135m --head v2_s100=runs/heads/v2_s100
+    . .venv/bin/activate && python bench/head_agreement.py \
+        --data corpora/smollm2-135m/round_004/dataset.npz \
+        --head v1=eagle3-smollm2-135m --head v2=runs/v2/head
 
-For each EAGLE-3 head: greedy speculative decoding (chain k = `--k`, float32 target) of the first
-`--prompts` held-out prompts of the training run `--run` (its own split), then, over the prompt
-and the text it produced, the head run once over the whole sequence on the target's features
-(as training's depth 0 sees them): how often its argmax is the target's next token. The online
-figure counts only round starts, so it sits below the teacher-forced one; two heads ordered one
-way by validation and the other way here point at the data, not at the objective.
+Two tables, every head measured on the same text:
+
+  * teacher-forced, over every held-out row of `--data` (a corpus's dataset.npz, or a train-head
+    run's train_data.npz with `--run`): the head run once over the whole row on the target's
+    features (as training's depth 0 sees them); how often its argmax is the target's next
+    token, at every answer position and at the positions a 3-gram lookup over the row does not
+    already propose ("new text"), by source where the data names its rows' sources (a corpus's
+    `ids`: magpie, math, self_instruct_topic, ...);
+  * online: greedy speculative decoding (chain k = `--k`) of `--prompts` held-out prompts drawn
+    in turn from each source (seeded; the first rows of a split are one template's, a biased
+    sample), first-draft acceptance and tau, and the teacher-forced agreement on the text it
+    produced. The online figure counts only round starts, so it sits below the teacher-forced one.
 
 The table replaces the section "## Head agreement, online and teacher-forced
 (bench/head_agreement.py)" of bench/RESULTS.md.
@@ -18,6 +25,7 @@ The table replaces the section "## Head agreement, online and teacher-forced
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import platform
 
@@ -29,67 +37,146 @@ from results_md import add_output_options, command_line, publish  # bench/ is on
 import jaxspec
 from jaxspec import train
 from jaxspec.models import eagle3
+from jaxspec.train.data import Dataset
 from jaxspec.train.features import target_batch
 
+UNNAMED = "all rows"  # the source of rows whose data names none
 
-def teacher_forced_agreement(target, head, rows: list[list[int]], prompt_lengths: list[int]) -> tuple[int, int]:
-    """(agreeing, counted) answer positions: the head's depth-0 draft at slot p (feature p, token
-    p + 1) against the target's argmax at p + 1, for every p whose drafted token is an answer's."""
-    width = -(-max(map(len, rows)) // 64) * 64
-    tokens = np.zeros((len(rows), width), np.int32)  # [B, W], right-padded
+
+def agreement_by_row(target, head, data: Dataset, batch_size: int = 4) -> np.ndarray:
+    """int[N, 4]: per row (agreeing, scored, agreeing on new text, scored new text) depth-0 drafts.
+
+    Head slot p reads (target feature p, token p + 1) and drafts token p + 2; it agrees when that
+    is the target's argmax at p + 1. A slot is scored when token p + 2 is the assistant's (the
+    training loss mask, `Dataset.batch`), and is new text when a 3-gram lookup over the row's
+    earlier tokens does not propose token p + 2 (`Dataset.next_is_lookup_predicted`)."""
+    hidden = eagle3.target_hidden_layers(head.config.aux_layer_ids)
+    counts = np.zeros((len(data), 4), np.int64)
+    for start in range(0, len(data), batch_size):
+        rows = np.arange(start, min(start + batch_size, len(data)))
+        width = min(-(-int(data.lengths[rows].max()) // 64) * 64, data.seq_len)  # like lengths share a compile
+        batch = data.batch(rows, width)
+        out = target_batch(target.params, target.config, hidden,
+                           {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]})
+        tokens = np.asarray(batch["tokens"])  # [B, W]
+        tokens_in = jnp.asarray(np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1))
+        logits, _, _ = eagle3.forward(head.params, head.config, target.params.embed, tokens_in,
+                                      eagle3.encode(head.params, out["features"]),
+                                      eagle3.create_cache(head.config, len(rows), width))
+        drafted = np.asarray(eagle3.to_target_ids(head.params, jnp.argmax(logits, axis=-1)))  # [B, W]
+        # Everything below at slot p, about token p + 2: one position on from `batch`'s alignment.
+        label = _next(np.asarray(out["labels"]))
+        scored = _next(np.asarray(batch["loss_mask"]))
+        new = scored & ~_next(data.next_is_lookup_predicted(rows, width))
+        agrees = drafted == label
+        counts[rows] = np.stack([(agrees & scored).sum(1), scored.sum(1), (agrees & new).sum(1), new.sum(1)], axis=1)
+    return counts
+
+
+def _next(x: np.ndarray) -> np.ndarray:
+    """x[:, p + 1] at p; the last position gets zeros (False)."""
+    return np.concatenate([x[:, 1:], np.zeros_like(x[:, :1])], axis=1)
+
+
+def generated_rows(prompts: list[list[int]], answers) -> Dataset:
+    """The prompts with the answers generated for them, as right-padded rows (the answers the
+    assistant's tokens)."""
+    rows = [p + list(a) for p, a in zip(prompts, answers)]
+    width = max(map(len, rows))
+    tokens = np.zeros((len(rows), width), np.int32)
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = row
-    hidden = eagle3.target_hidden_layers(head.config.aux_layer_ids)
-    out = target_batch(target.params, target.config, hidden,
-                       {"tokens": jnp.asarray(tokens), "loss_mask": jnp.zeros(tokens.shape, bool)})
-    g = eagle3.encode(head.params, out["features"])  # [B, W, D]
-    tokens_in = jnp.asarray(np.concatenate([tokens[:, 1:], np.zeros((len(rows), 1), np.int32)], axis=1))
-    logits, _, _ = eagle3.forward(head.params, head.config, target.params.embed, tokens_in, g,
-                                  eagle3.create_cache(head.config, len(rows), width))
-    drafted = np.asarray(eagle3.to_target_ids(head.params, jnp.argmax(logits, axis=-1)))  # [B, W]
-    labels = np.asarray(out["labels"])  # [B, W]: the target's argmax after each position
-    agreeing = counted = 0
-    for i, row in enumerate(rows):
-        slots = np.arange(prompt_lengths[i] - 1, len(row) - 2)
-        agreeing += int((drafted[i, slots] == labels[i, slots + 1]).sum())
-        counted += len(slots)
-    return agreeing, counted
+    return Dataset(tokens, np.asarray([len(r) for r in rows], np.int32), np.asarray([len(p) for p in prompts], np.int32))
+
+
+def row_sources(path: str) -> list[str]:
+    """Each row's source: a corpus's ids read "r004-magpie-000012"; data without ids: one source."""
+    with np.load(path) as file:
+        if "ids" not in file.files:
+            return [UNNAMED] * len(file["lengths"])
+        return [str(row_id).split("-")[1] for row_id in file["ids"]]
+
+
+def sample_by_source(rows: np.ndarray, sources: list[str], count: int, seed: int) -> list[int]:
+    """`count` of `rows`, taking each source in turn (its rows in a seeded random order)."""
+    rng = np.random.default_rng(seed)
+    queues = collections.defaultdict(list)
+    for row in rng.permutation(rows):
+        queues[sources[row]].append(int(row))
+    order = sorted(queues)
+    chosen: list[int] = []
+    while len(chosen) < min(count, len(rows)):
+        for source in order:
+            if queues[source] and len(chosen) < count:
+                chosen.append(queues[source].pop(0))
+    return chosen
+
+
+def _share(agreeing: int, scored: int) -> str:
+    return f"{agreeing / scored:.3f} ({scored})" if scored else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", required=True, help="a train-head run directory: its data's held-out prompts")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--data", nargs="+", help="corpus dataset.npz files: their held-out rows")
+    where.add_argument("--run", help="a train-head run directory: its data's held-out rows")
     parser.add_argument("--head", action="append", required=True, metavar="NAME=PATH", help="an EAGLE-3 head (repeat)")
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts decoded online, sources in turn")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8"))
+    parser.add_argument("--seed", type=int, default=0)
     add_output_options(parser)
     args = parser.parse_args(argv)
     specs = [item.split("=", 1) for item in args.head]
     if any(len(pair) != 2 for pair in specs):
         parser.error("--head takes NAME=PATH")
 
-    cfg, data = train.saved_run(args.run)
-    _, held_out = train.split_rows(data, cfg.val_fraction, cfg.seed)
-    chosen = held_out[: args.prompts]
+    if args.run:
+        cfg, data = train.saved_run(args.run)
+        _, held_out = train.split_rows(data, cfg.val_fraction, cfg.seed)
+        sources, described = [UNNAMED] * len(data), f"the held-out rows of {args.run}"
+    else:
+        data = train.load_datasets(args.data)
+        if data.held_out is None:
+            parser.error("--data: these files mark no held-out rows")
+        held_out = np.flatnonzero(data.held_out)
+        sources = [source for path in args.data for source in row_sources(path)]
+        described = f"the held-out rows of {', '.join(args.data)}"
+    held = data.subset(held_out)
+    held_sources = [sources[i] for i in held_out]
+    chosen = sample_by_source(held_out, sources, args.prompts, args.seed)
     prompts = [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in chosen]
-    target = jaxspec.load(weight_format="f32")
+    target = jaxspec.load(weight_format=args.weight_format)
+
     title = "## Head agreement, online and teacher-forced (bench/head_agreement.py)"
-    lines = [title, "",
-             f"{datetime.date.today()}, {platform.machine()}, SmolLM2-135M-Instruct (f32), the first {len(prompts)} "
-             f"held-out prompts of {args.run}, {args.new_tokens} greedy tokens, chain k = {args.k}.", "",
-             "| head | online first-draft acceptance | tau | teacher-forced depth-0 agreement, same text |",
-             "|---|---:|---:|---:|"]
+    names = sorted(set(held_sources))
+    lines = [title, "", f"{datetime.date.today()}, {platform.machine()}, SmolLM2-135M-Instruct ({args.weight_format}), "
+             f"{described}: {len(held)} rows, {int(held.assistant_tokens().sum()):,} answer tokens.", "",
+             "Teacher-forced depth-0 agreement with the target, all answer positions / new text only (positions):", "",
+             "| head | " + " | ".join(names + ["all"]) + " |", "|---|" + "---:|" * (len(names) + 1)]
+    drawn = collections.Counter(sources[i] for i in chosen)
+    online = [f"Online, {len(prompts)} held-out prompts ({', '.join(f'{n} {drawn[n]}' for n in names if drawn[n])}), "
+              f"{args.new_tokens} greedy tokens, chain k = {args.k}:", "",
+              "| head | online first-draft acceptance | tau | teacher-forced depth-0 agreement, same text |",
+              "|---|---:|---:|---:|"]
     for name, path in specs:
         head = jaxspec.load(path)
+        counts = agreement_by_row(target, head, held)
+        cells = []
+        for source in names + [None]:
+            picked = counts[[source is None or s == source for s in held_sources]].sum(0)
+            cells.append(f"{_share(picked[0], picked[1])} / {_share(picked[2], picked[3])}")
+        lines.append(f"| {name} ({path}) | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
         result = jaxspec.generate(target, head, prompts, max_new_tokens=args.new_tokens, num_draft_tokens=args.k,
                                   ignore_eos=True)
-        agreeing, counted = teacher_forced_agreement(target, head, [p + list(t) for p, t in zip(prompts, result.tokens)],
-                                                     [len(p) for p in prompts])
-        lines.append(f"| {name} ({path}) | {result.stats.acceptance_by_position[0]:.3f} | {result.stats.tau:.2f} | "
-                     f"{agreeing / counted:.3f} ({counted} positions) |")
-        print(lines[-1], flush=True)
-    lines += ["", command_line("head_agreement.py", argv)]
+        text = agreement_by_row(target, head, generated_rows(prompts, result.tokens)).sum(0)
+        online.append(f"| {name} ({path}) | {result.stats.acceptance_by_position[0]:.3f} | {result.stats.tau:.2f} | "
+                      f"{_share(text[0], text[1])} |")
+        print(online[-1], flush=True)
+    lines += ["", *online, "", command_line("head_agreement.py", argv)]
     publish("\n".join(lines), title, args.results, write=not args.no_write)
     return 0
 

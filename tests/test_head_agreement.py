@@ -1,0 +1,127 @@
+"""bench/head_agreement.py's counts, against the drafting path itself: a head's teacher-forced
+agreement at a slot is what the EAGLE-3 proposer drafts after absorbing that prefix, compared with
+the target's greedy token after it; the scored and new-text positions are the row's assistant
+tokens and those a 3-gram lookup does not propose, counted here by hand. And the prompt sample
+takes the sources in turn."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import checkpoints
+from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
+from jaxspec.models import eagle3, llama
+from jaxspec.spec import proposers
+from jaxspec.train.data import Dataset
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+TARGET = ModelConfig(vocab_size=96, dim=48, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=12,
+                     ffn_dim=80, rotary_dim=12, max_position_embeddings=256, eos_token_ids=(3,))
+HEAD = eagle3.Eagle3Config(dim=48, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64, draft_vocab_size=40,
+                           vocab_size=96, rope_theta=50000.0, rotary_dim=8, norm_eps=1e-5,
+                           max_position_embeddings=256, aux_layer_ids=(1, 2, 3))
+WIDTH = 64  # the bench pads rows to a multiple of 64
+
+
+@pytest.fixture(scope="module")
+def script():
+    """bench/head_agreement.py as a module; the bench modules it imports leave sys.modules after."""
+    before = set(sys.modules)
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_head_agreement", BENCH / "head_agreement.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    yield module
+    for name in set(sys.modules) - before:
+        if not name.startswith("jaxspec"):
+            del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = jaxspec.Model(config=TARGET, params=llama.init_params(TARGET, jax.random.PRNGKey(0), scale=0.2))
+    directory = tmp_path_factory.mktemp("head")
+    checkpoints.save_eagle3(directory, HEAD, eagle3.init_params(HEAD, jax.random.PRNGKey(1), scale=0.2))
+    return target, jaxspec.load(str(directory))
+
+
+def _rows() -> Dataset:
+    """Two rows: a one-turn answer that falls into a loop and ends inside it (a lookup proposes
+    its last 15 tokens, so reading the lookup one position off changes the count), and a two-turn
+    conversation whose user turn sits between the answers."""
+    rng = np.random.default_rng(0)
+    first = [5, 6, 7, 8, 9] + [20, 21, 22, 23, 24, 25] * 4
+    second = rng.integers(4, 96, 40).tolist()
+    tokens = np.zeros((2, 40), np.int32)
+    tokens[0, : len(first)], tokens[1] = first, second
+    assistant = np.zeros((2, 40), bool)
+    assistant[0, 5: len(first)] = True
+    assistant[1, 6:18] = assistant[1, 25:40] = True  # turns 1 and 2; tokens 18-24 the user's
+    return Dataset(tokens, np.asarray([len(first), 40], np.int32), np.asarray([5, 6], np.int32), assistant)
+
+
+def _lookup_proposes(row: list[int], q: int) -> bool:
+    """A 3-gram lookup over row[:q] proposes row[q]: the token after the last earlier occurrence
+    of row[q-3:q]."""
+    if q < 3:
+        return False
+    context = row[q - 3: q]
+    for start in range(q - 4, -1, -1):
+        if row[start: start + 3] == context:
+            return row[start + 3] == row[q]
+    return False
+
+
+def test_agreement_counts_are_the_proposers_drafts_after_each_prefix(script, models):
+    target, head = models
+    data = _rows()
+    counts = script.agreement_by_row(target, head, data, batch_size=1)
+
+    aux = HEAD.resolved_aux_layers(TARGET.num_layers)
+    proposer = proposers.Eagle3(num_draft=1, config=HEAD, aux_layer_ids=aux)
+    draft_params = {"head": head.params, "embed": target.params.embed}
+    absorb = jax.jit(proposer._absorb)
+    expected = np.zeros_like(counts)
+    for r in range(len(data)):
+        row = data.tokens[r, : data.lengths[r]].tolist()
+        padded = jnp.asarray([row + [0] * (WIDTH - len(row))])
+        logits, features, _ = llama.forward(target.params, TARGET, padded, KVCache.create(TARGET, 1, WIDTH),
+                                            hidden_layers=eagle3.target_hidden_layers(aux))
+        greedy = np.asarray(jnp.argmax(logits[0], axis=-1))  # [W]: the target's token after each prefix
+        shifted = jnp.concatenate([padded[:, 1:], jnp.zeros((1, 1), jnp.int32)], axis=1)
+        for q in range(2, len(row)):  # the draft of token q, after absorbing the prefix row[:q]
+            if not data.assistant[r, q]:
+                continue
+            state = absorb(draft_params, eagle3.create_cache(HEAD, 1, WIDTH), shifted, features, jnp.array([q - 1]))
+            drafted = int(proposer._to_target(draft_params, jnp.argmax(state.next_logits, axis=-1))[0])
+            agrees = drafted == int(greedy[q - 1])
+            new = not _lookup_proposes(row, q)
+            expected[r] += [agrees, 1, agrees and new, new]
+    np.testing.assert_array_equal(counts, expected)
+    assert expected[:, 1].tolist() == [int(data.assistant[0].sum()), int(data.assistant[1].sum())]
+    assert expected[0, 3] == expected[0, 1] - 15  # the loop's last 15 tokens are a lookup's
+    assert expected[:, 0].sum() > 0  # some drafts agree: the counts compare more than zeros
+
+
+def test_prompts_are_drawn_from_each_source_in_turn(script):
+    sources = ["magpie"] * 10 + ["math"] * 3 + ["topic"] * 1
+    rows = np.arange(14)
+    chosen = script.sample_by_source(rows, sources, 6, seed=0)
+    assert len(set(chosen)) == 6
+    assert sorted(sources[i] for i in chosen[:3]) == ["magpie", "math", "topic"]
+    assert [sources[i] for i in chosen].count("topic") == 1  # a source that runs out is skipped
+    assert chosen == script.sample_by_source(rows, sources, 6, seed=0)
+    assert chosen != script.sample_by_source(rows, sources, 6, seed=1)
+    assert len(script.sample_by_source(rows, sources, 99, seed=0)) == 14
