@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--num-passage-prompts", type=int, default=192,
                       help="self-instruct: prompts over the model's own stage-1 articles (stage 2)")
     head.add_argument("--distill-batch-size", type=int, default=32, help="rows per batched generate when distilling")
+    head.add_argument("--answer-window", type=int, default=None, metavar="N",
+                      help="with --data: train on each row's prompt and the N tokens after it (the opening of its "
+                           "first answer), e.g. 128 where a corpus's long answers loop")
     head.add_argument("--steps", type=int, default=1000)
     head.add_argument("--batch-size", type=int, default=8)
     head.add_argument("--seq-len", type=int, default=256, help="training window: prompt + answer tokens")
@@ -366,7 +369,13 @@ def _train_head(args) -> int:
     if args.prompts is not None and args.data is not None:
         raise InvalidRequestError("--prompts and --data both give the training data: pass one")
     prompts = None if args.resume or args.prompts is None else train.read_prompts_jsonl(args.prompts)
+    if args.answer_window is not None and args.data is None:
+        raise InvalidRequestError("--answer-window cuts the rows of --data: give --data FILE")
+    if args.answer_window is not None and args.answer_window < 1:
+        raise InvalidRequestError(f"--answer-window must be an integer >= 1; got {args.answer_window}")
     data = None if args.resume or args.data is None else train.load_datasets(args.data)
+    if data is not None and args.answer_window is not None:
+        data = data.cut_after_prompt(args.answer_window)
     config = None if args.resume else train.TrainConfig(
         method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
         warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, soft_labels=args.soft_labels,

@@ -139,6 +139,32 @@ def test_rows_the_data_holds_out_are_the_validation_rows(tmp_path):
         train.split_rows(train.Dataset(data.tokens, data.lengths, data.prompt_lengths, held_out=np.ones(6, bool)), 0, 0)
 
 
+def test_rows_cut_after_their_prompts_keep_the_answers_opening():
+    """cut_after_prompt (train-head --answer-window N): each row ends N tokens after its prompt,
+    or where it ended; the tokens and the assistant mask past the cut are gone, the held-out flags
+    kept; the cut rows find the same features as rows written that way (the cache's row key)."""
+    tokens = np.asarray([[1, 2, 10, 11, 12, 13, 14, 0],
+                         [1, 2, 3, 15, 4, 5, 16, 17],
+                         [1, 2, 3, 4, 18, 0, 0, 0]], np.int32)
+    assistant = np.zeros_like(tokens, bool)
+    assistant[0, 2:7] = True
+    assistant[1, [3, 6, 7]] = True  # a one-token answer, a user turn, a second answer
+    assistant[2, 4] = True
+    data = train.Dataset(tokens, np.asarray([7, 8, 5], np.int32), np.asarray([2, 3, 4], np.int32), assistant,
+                         held_out=np.asarray([0, 1, 0], bool))
+    cut = data.cut_after_prompt(3)
+    assert cut.lengths.tolist() == [5, 6, 5] and cut.seq_len == 6
+    np.testing.assert_array_equal(cut.tokens, [[1, 2, 10, 11, 12, 0], [1, 2, 3, 15, 4, 5], [1, 2, 3, 4, 18, 0]])
+    np.testing.assert_array_equal(cut.assistant, [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0]])
+    assert cut.held_out.tolist() == [False, True, False] and cut.prompt_lengths.tolist() == [2, 3, 4]
+    written = train.Dataset(cut.tokens, cut.lengths, cut.prompt_lengths, cut.assistant)
+    np.testing.assert_array_equal(train.features.row_keys(cut), train.features.row_keys(written))
+    assert data.cut_after_prompt(99).fingerprint() == data.fingerprint()
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(jaxspec.InvalidRequestError, match="answer_tokens must be an integer >= 1"):
+            data.cut_after_prompt(bad)
+
+
 def test_several_data_files_train_as_one_in_order(tmp_path):
     """load_datasets (train-head --data A B ...): rows in file order, every array carried; a
     part without an assistant mask gets the one its prompt lengths imply; parts of another

@@ -57,6 +57,10 @@ def test_cli_train_head_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "--prompts and --data both" in capsys.readouterr().err
     assert cli.main(["train-head", "--out", str(tmp_path / "o"), "--data", str(tmp_path / "none.npz")]) == 2
     assert "not a readable training data file" in capsys.readouterr().err
+    assert cli.main(["train-head", "--out", str(tmp_path / "o"), "--answer-window", "128"]) == 2
+    assert "--answer-window cuts the rows of --data" in capsys.readouterr().err
+    assert cli.main(["train-head", "--out", str(tmp_path / "o"), "--data", "d.npz", "--answer-window", "0"]) == 2
+    assert "--answer-window must be an integer >= 1; got 0" in capsys.readouterr().err
     assert cli.main(["train-head", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o"),
                      "--init-from", str(tmp_path)]) == 2  # named before the target loads
     assert f"init_from {tmp_path}: {tmp_path} is not a checkpoint directory" in capsys.readouterr().err

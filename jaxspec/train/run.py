@@ -488,7 +488,7 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
                keep_every: int | None = None, weight_format: str | quant.WeightFormat = "auto",
                progress: bool = True) -> tuple[TrainResult, SpecStats | None]:
     """Load the target (a name or path, or a loaded Model), build the training data, train, write
-    the head, and measure tau on up to `tau_prompts` held-out prompts.
+    the head, and measure tau on up to `tau_prompts` held-out prompts (a seeded draw).
 
     The data, by precedence: `data` (a Dataset already distilled, e.g. another run's
     train_data.npz: an EAGLE-3 and an MTP head can share one), else `prompts` answered by the
@@ -536,7 +536,10 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
                    keep_every=keep_every, progress=progress)
     stats = None
     _, val_rows = split_rows(data, cfg.val_fraction, cfg.seed)
-    held_out = [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in val_rows[:tau_prompts]]
+    # A seeded draw, not the first rows: a corpus lists its held-out rows by source and template,
+    # and its first few are one template's (a head's home ground, or not).
+    sampled = np.random.default_rng(cfg.seed).permutation(val_rows)[:tau_prompts]
+    held_out = [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in sampled]
     if held_out and result.head_path is not None:
         stats = measure_tau(target, result.head, held_out, num_draft_tokens=num_draft_tokens,
                             max_new_tokens=min(64, max_new_tokens))
