@@ -37,7 +37,7 @@ from results_md import add_output_options, command_line, publish  # bench/ is on
 import jaxspec
 from jaxspec import train
 from jaxspec.models import eagle3
-from jaxspec.train.data import Dataset
+from jaxspec.train.data import Dataset, Example, bucket_widths, pack
 from jaxspec.train.features import target_batch
 
 UNNAMED = "all rows"  # the source of rows whose data names none
@@ -54,7 +54,7 @@ def agreement_by_row(target, head, data: Dataset, batch_size: int = 4) -> np.nda
     counts = np.zeros((len(data), 4), np.int64)
     for start in range(0, len(data), batch_size):
         rows = np.arange(start, min(start + batch_size, len(data)))
-        width = min(-(-int(data.lengths[rows].max()) // 64) * 64, data.seq_len)  # like lengths share a compile
+        width = int(bucket_widths(data.lengths[rows], 64, data.seq_len).max())  # like lengths share a compile
         batch = data.batch(rows, width)
         out = target_batch(target.params, target.config, hidden,
                            {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]})
@@ -81,12 +81,8 @@ def _next(x: np.ndarray) -> np.ndarray:
 def generated_rows(prompts: list[list[int]], answers) -> Dataset:
     """The prompts with the answers generated for them, as right-padded rows (the answers the
     assistant's tokens)."""
-    rows = [p + list(a) for p, a in zip(prompts, answers)]
-    width = max(map(len, rows))
-    tokens = np.zeros((len(rows), width), np.int32)
-    for i, row in enumerate(rows):
-        tokens[i, : len(row)] = row
-    return Dataset(tokens, np.asarray([len(r) for r in rows], np.int32), np.asarray([len(p) for p in prompts], np.int32))
+    examples = [Example(tokens=tuple(p) + tuple(a), prompt_length=len(p)) for p, a in zip(prompts, answers)]
+    return pack(examples, max(len(e.tokens) for e in examples))
 
 
 def row_sources(path: str) -> list[str]:
