@@ -139,6 +139,25 @@ def test_rows_the_data_holds_out_are_the_validation_rows(tmp_path):
         train.split_rows(train.Dataset(data.tokens, data.lengths, data.prompt_lengths, held_out=np.ones(6, bool)), 0, 0)
 
 
+def test_the_in_run_tau_prompts_are_a_seeded_draw_of_the_held_out_rows():
+    """train_head measures tau on held-out prompts drawn across the split, not its first rows: a
+    corpus lists its held-out rows by source, so the first few would all be one source's."""
+    # 40 rows, prompt (i, i + 100); rows 20-29 hold out one source, rows 30-39 another.
+    data = train.pack([train.Example(tokens=(i, i + 100, 7), prompt_length=2) for i in range(40)], 4)
+    held = np.arange(40) >= 20
+    marked = train.Dataset(data.tokens, data.lengths, data.prompt_lengths, held_out=held)
+    drawn = train.held_out_prompts(marked, 0.05, seed=0, count=8)
+    firsts = [prompt[0] for prompt in drawn]
+    assert len(drawn) == 8 and len(set(firsts)) == 8
+    assert all(prompt == [i, i + 100] for prompt, i in zip(drawn, firsts))  # whole prompts, no answer token
+    assert all(20 <= i < 40 for i in firsts)  # held-out rows only
+    assert any(i < 30 for i in firsts) and any(i >= 30 for i in firsts)  # both sources
+    assert drawn == train.held_out_prompts(marked, 0.05, seed=0, count=8)  # reproducible
+    assert drawn != train.held_out_prompts(marked, 0.05, seed=1, count=8)
+    assert sorted(p[0] for p in train.held_out_prompts(marked, 0.05, seed=0, count=99)) == list(range(20, 40))
+    assert train.held_out_prompts(marked, 0.05, seed=0, count=0) == []
+
+
 def test_rows_cut_after_their_prompts_keep_the_answers_opening():
     """cut_after_prompt (train-head --answer-window N): each row ends N tokens after its prompt,
     or where it ended; the tokens and the assistant mask past the cut are gone, the held-out flags

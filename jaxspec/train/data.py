@@ -383,6 +383,17 @@ def split_rows(data: Dataset, val_fraction: float, seed: int) -> tuple[np.ndarra
     return np.flatnonzero(~data.held_out), np.flatnonzero(data.held_out)
 
 
+def held_out_prompts(data: Dataset, val_fraction: float, seed: int, count: int) -> list[list[int]]:
+    """The prompts (token lists) of up to `count` validation rows (`split_rows`), a seeded draw.
+
+    Not the first rows: a corpus lists its held-out rows by source and template, so its first few
+    are one template's, which a head may have trained on the like of (or not), and a tau measured
+    on them says little about the rest."""
+    _, val_rows = split_rows(data, val_fraction, seed)
+    drawn = np.random.default_rng(seed).permutation(val_rows)[:count]
+    return [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in drawn]
+
+
 def split(num_examples: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train indices, validation indices): a seeded shuffle, the validation rows held out."""
     order = np.random.default_rng([seed, 0xDA7A]).permutation(num_examples)

@@ -56,6 +56,7 @@ from jaxspec.train.data import (
     bucket_widths,
     draft_vocab,
     draft_vocab_size_for,
+    held_out_prompts,
     length_batches,
     pack,
     self_distill,
@@ -535,11 +536,7 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
     result = train(target, data, out_dir, cfg, resume=resume, feature_dir=feature_dir, head_dtype=head_dtype,
                    keep_every=keep_every, progress=progress)
     stats = None
-    _, val_rows = split_rows(data, cfg.val_fraction, cfg.seed)
-    # A seeded draw, not the first rows: a corpus lists its held-out rows by source and template,
-    # and its first few are one template's (a head's home ground, or not).
-    sampled = np.random.default_rng(cfg.seed).permutation(val_rows)[:tau_prompts]
-    held_out = [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in sampled]
+    held_out = held_out_prompts(data, cfg.val_fraction, cfg.seed, tau_prompts)
     if held_out and result.head_path is not None:
         stats = measure_tau(target, result.head, held_out, num_draft_tokens=num_draft_tokens,
                             max_new_tokens=min(64, max_new_tokens))
