@@ -387,8 +387,7 @@ def held_out_prompts(data: Dataset, val_fraction: float, seed: int, count: int) 
     """The prompts (token lists) of up to `count` validation rows (`split_rows`), a seeded draw.
 
     Not the first rows: a corpus lists its held-out rows by source and template, so its first few
-    are one template's, which a head may have trained on the like of (or not), and a tau measured
-    on them says little about the rest."""
+    are one template's, and a tau measured on them tells of that template, not of the rest."""
     _, val_rows = split_rows(data, val_fraction, seed)
     drawn = np.random.default_rng(seed).permutation(val_rows)[:count]
     return [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in drawn]
