@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     held = data.subset(held_out)
     held_sources = [sources[i] for i in held_out]
     chosen = sample_by_source(held_out, sources, args.prompts, args.seed)
-    prompts = [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in chosen]
+    prompts = data.prompts(chosen)
     target = jaxspec.load(weight_format=args.weight_format)
 
     title = "## Head agreement, online and teacher-forced (bench/head_agreement.py)"

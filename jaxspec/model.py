@@ -96,7 +96,7 @@ def on_mesh_of(draft: Model, target: Model) -> Model:
     """The draft laid out beside `target`: unchanged when the target is on one device or the
     draft is already on the target's mesh; sharded by the target's rules (placed once, then
     reused) when it is on one device, each of its axes that does not divide the mesh replicated
-    (a draft is small; an EAGLE-3 head's 4096-token vocabulary does not split 3 ways). A draft on
+    (a draft is small; a 4096-token draft vocabulary does not split 3 ways). A draft on
     another mesh is refused."""
     plan = target.sharding
     if plan is None and draft.sharding is None:

@@ -171,6 +171,10 @@ class Dataset:
         positions = np.arange(self.seq_len)[None, :]
         return (positions >= self.prompt_lengths[indices, None]) & (positions < self.lengths[indices, None])
 
+    def prompts(self, indices: Sequence[int]) -> list[list[int]]:
+        """The prompts of rows `indices`, as token lists (what a generation is started from)."""
+        return [self.tokens[i, : self.prompt_lengths[i]].tolist() for i in indices]
+
     def batch(self, indices: Sequence[int], width: int | None = None) -> dict[str, jax.Array]:
         """Rows `indices` and their loss mask, `width` positions wide (default the data's
         seq_len; narrower cuts only padding when every row fits, as `BatchOrder`'s batches do);
@@ -390,7 +394,7 @@ def held_out_prompts(data: Dataset, val_fraction: float, seed: int, count: int) 
     are one template's, and a tau measured on them tells of that template, not of the rest."""
     _, val_rows = split_rows(data, val_fraction, seed)
     drawn = np.random.default_rng(seed).permutation(val_rows)[:count]
-    return [data.tokens[i, : data.prompt_lengths[i]].tolist() for i in drawn]
+    return data.prompts(drawn)
 
 
 def split(num_examples: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
