@@ -16,7 +16,9 @@ taking its eight categories in turn, as bench/spec.py picks them), greedy specul
 for chains of each `--k` and each `--tree` shape. The prompts of a group run as one batch (the
 acceptance counts are per row, so batching changes no figure, only the time). Every speculative
 output is checked against plain greedy of the same batch, token for token (a mismatch is a bug
-and fails the run).
+and fails the run). Per head and group, the table also gives the share of plain greedy's tokens
+outside an EAGLE-3 head's draft vocabulary: the head can never propose them, so at those
+positions its acceptance is 0 whatever it learned.
 
 Wall-clock: on the first `--timing-prompts` MT-bench prompts, at batch 1, plain decoding and each
 head at `--timing-k` run back to back per prompt; the speedup is the median over prompts of the
@@ -41,12 +43,14 @@ import statistics
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from results_md import add_output_options, command_line, publish  # bench/ is on sys.path when a bench script runs
 from spec import DEFAULT_QUESTIONS, GROUPS, TIMING_STOP_TOKEN, pick_prompts
 
 import jaxspec
+from jaxspec.models import eagle3
 from jaxspec.train import DATA_FILE, EXPORT_FILE, MTP_HEAD_DIR, RUN_FILE
 from jaxspec.train.data import Dataset
 
@@ -122,6 +126,18 @@ def head_training(path: str) -> str:
     return text
 
 
+def undraftable_share(head, token_rows: list[list[int]]) -> float | None:
+    """The share of `token_rows`' tokens (the target's own greedy output) that `head` can never
+    propose: outside an EAGLE-3 head's draft vocabulary (d2t), a ceiling on its acceptance at
+    those positions. None for a head that drafts from the whole vocabulary (MTP)."""
+    d2t = getattr(head.params, "d2t", None)
+    if d2t is None:
+        return None
+    draftable = np.asarray(eagle3.to_target_ids(head.params, jnp.arange(d2t.shape[0])))
+    tokens = np.concatenate([np.asarray(row, np.int64) for row in token_rows])
+    return float(np.mean(~np.isin(tokens, draftable)))
+
+
 def run_group(model, head, prompts: list[str], plain_tokens, divergences: list[str], exact: bool, label: str,
               **options) -> jaxspec.SpecStats:
     """Speculative greedy over `prompts` in one batch, checked against plain greedy. Where greedy
@@ -182,12 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     settings += [("tree", shape, dict(tree=shape)) for shape in args.tree]
 
     rows = []  # (head, setting, {group: (first-draft acceptance, tau)})
+    undraftable = {name: {} for name in heads}  # {head: {group: share of plain's tokens it cannot draft}}
     divergences = []  # trees under int8 / bf16 weights that left plain greedy (run_group)
     groups = list(args.groups)
     for group in groups:
         prompts = [p.text for p in picked[group]]
         plain = jaxspec.generate(model, None, prompts, chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True)
         for name, head in heads.items():
+            undraftable[name][group] = undraftable_share(head, plain.tokens)
             for kind, value, options in settings:
                 exact = args.weight_format == "f32" or kind == "chain"
                 stats = run_group(model, head, prompts, plain.tokens, divergences, exact,
@@ -219,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{by_group[g][0]:.2f} / {by_group[g][1]:.2f}" for g in groups]
         mean = (np.mean([by_group[g][0] for g in groups]), np.mean([by_group[g][1] for g in groups]))
         lines.append(f"| {name} | {setting} | " + " | ".join(cells) + f" | {mean[0]:.2f} / {mean[1]:.2f} |")
+    lines += ["", "Share of plain greedy's tokens outside a head's draft vocabulary (never accepted there; "
+              "- : the head drafts from the whole vocabulary):", "",
+              "| head | " + " | ".join(groups) + " |", "|---|" + "---:|" * len(groups)]
+    lines += [f"| {name} | " + " | ".join("-" if share[g] is None else f"{share[g]:.3f}" for g in groups) + " |"
+              for name, share in undraftable.items()]
     if speed is not None:
         lines += ["", f"Wall-clock on {args.timing_prompts} MT-bench prompts, batch 1, chain k = {args.timing_k} "
                   f"(median ratio of decode tokens/s; plain {speed['plain']:.1f} tok/s):", "",

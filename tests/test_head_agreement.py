@@ -6,6 +6,7 @@ takes the sources in turn."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import pathlib
 import sys
@@ -32,21 +33,33 @@ HEAD = eagle3.Eagle3Config(dim=48, num_heads=4, num_kv_heads=2, head_dim=16, ffn
 WIDTH = 64  # the bench pads rows to a multiple of 64
 
 
-@pytest.fixture(scope="module")
-def script():
-    """bench/head_agreement.py as a module; the bench modules it imports leave sys.modules after."""
+@contextlib.contextmanager
+def _bench_script(name: str):
+    """bench/NAME.py as a module; the bench modules it imports leave sys.modules after."""
     before = set(sys.modules)
     sys.path.insert(0, str(BENCH))
     try:
-        spec = importlib.util.spec_from_file_location("bench_head_agreement", BENCH / "head_agreement.py")
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(BENCH))
     yield module
-    for name in set(sys.modules) - before:
-        if not name.startswith("jaxspec"):
-            del sys.modules[name]
+    for module_name in set(sys.modules) - before:
+        if not module_name.startswith("jaxspec"):
+            del sys.modules[module_name]
+
+
+@pytest.fixture(scope="module")
+def script():
+    with _bench_script("head_agreement") as module:
+        yield module
+
+
+@pytest.fixture(scope="module")
+def heads_script():
+    with _bench_script("heads") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +138,16 @@ def test_prompts_are_drawn_from_each_source_in_turn(script):
     assert chosen == script.sample_by_source(rows, sources, 6, seed=0)
     assert chosen != script.sample_by_source(rows, sources, 6, seed=1)
     assert len(script.sample_by_source(rows, sources, 99, seed=0)) == 14
+
+
+def test_undraftable_share_counts_the_tokens_outside_the_draft_vocabulary(heads_script):
+    """bench/heads.py's ceiling: a token counts when no draft id maps to it (d2t), for every row."""
+    params = eagle3.init_params(HEAD, jax.random.PRNGKey(4))
+    draftable = set(np.asarray(eagle3.to_target_ids(params, jnp.arange(HEAD.draft_vocab_size))).tolist())
+    outside = [t for t in range(HEAD.vocab_size) if t not in draftable]
+    inside = sorted(draftable)
+    rows = [[inside[0], outside[0], inside[1]], [outside[1], outside[2]]]  # 3 of 5 outside
+    head = jaxspec.Model(config=HEAD, params=params)
+    assert heads_script.undraftable_share(head, rows) == pytest.approx(3 / 5)
+    assert heads_script.undraftable_share(head, [inside]) == 0.0
+    assert heads_script.undraftable_share(jaxspec.Model(config=HEAD, params=params.replace(d2t=None)), rows) is None
