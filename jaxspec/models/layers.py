@@ -105,8 +105,26 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0) -> jax.
     [..., Y]): x / sqrt(mean(x^2) + eps) * weight."""
     shape = [1] * x.ndim
     shape[axis] = -1
-    variance = jnp.mean(jnp.square(x), axis=axis, keepdims=True)
+    variance = feature_sum(jnp.square(x), axis) / x.shape[axis]
     return x * jax.lax.rsqrt(variance + eps) * weight.reshape(shape)
+
+
+def feature_sum(x: jax.Array, axis: int = 0) -> jax.Array:
+    """x summed over `axis` (kept, size 1) by halving: zero-padded to a power of two, then the two
+    halves added until one slice is left, every step elementwise across the other axes.
+
+    Why not jnp.sum: XLA:CPU emits a reduction differently with the size of the other axes (the
+    tokens of a [D, B*T] stream: once a forward carries 64 tokens or more in a fused trunk, 256
+    alone), so a token's sum changed by an ulp with how many tokens shared the forward, and int8
+    activation roundings grew that into other tokens (a step and a verify at batch >= 8 parted).
+    Elementwise adds give each token the same sum at every width. Zeros add exactly."""
+    x = jnp.moveaxis(x, axis, 0)
+    width = 1 << max(x.shape[0] - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, width - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        x = x[:half] + x[half:]
+    return jnp.moveaxis(x, 0, axis)
 
 
 # ----------------------------------------------------------------------------------------------

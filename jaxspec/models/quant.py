@@ -28,8 +28,9 @@ The formats:
   float32. Integer accumulation is exact, and every other step of the product is per element or
   per token, so a token's product does not depend on how many tokens share it. The float work
   around the products does, by an ulp, and an ulp can flip an int8 rounding: so decode forwards
-  over int8 (and bf16) weights are padded to TOKEN_LANES tokens (jaxspec.spec.loop), and then a
-  position's logits are bitwise the same in a step as inside a verify. (Per-block activation
+  over int8 (and bf16) weights are padded to TOKEN_LANES tokens (jaxspec.spec.loop), RMSNorm sums
+  features the same way at every token count (`layers.feature_sum`), and then a position's
+  logits are bitwise the same in a step as inside a verify, at any batch. (Per-block activation
   scales, the other cure for outliers, need a batched product per block, ~2x slower here.)
   On XLA CPU a one-column int8 product takes a slow matrix-vector path, so one-column products
   are padded to two. At 2..8 tokens an int8 forward of the default model takes 0.6-0.8 of
@@ -60,8 +61,9 @@ INT8_MAX = 127  # symmetric: codes in [-127, 127], so negation never overflows
 # scalar path whose rounding can differ by an ulp (FMA contraction, transcendentals, summation
 # order). Under float32 weights that is a 1e-5 wobble; under int8 activations an ulp can flip a
 # rounding and the flip grows through the layers (logits moved by up to 1.0 between a step and a
-# verify on the default model). So decode forwards with int8 or bf16 weights run a multiple of 8
-# tokens per row: every token then takes the vector path, in a step as in a verify.
+# verify on the default model). So decode forwards with int8 or bf16 weights carry a multiple of
+# 8 tokens (`loop.padded_tokens`): every token then takes the vector path, in a step as in a
+# verify. Reductions over features are the other half: see `layers.feature_sum`.
 TOKEN_LANES = 8
 ROTATION_BLOCK = 64  # the Hadamard block along an int8 weight's input axis (module docstring)
 
