@@ -201,6 +201,11 @@ def test_fused_projections_compute_what_separate_ones_do(fmt):
     chex.assert_trees_all_equal(layers.unfuse_projections(fused), separate)
 
 
+# The default model's step-and-verify checks: a prompt and the 8 tokens forwarded after it.
+STEP_AND_VERIFY_TEXT = "The quick brown fox jumps over the lazy dog. " * 5
+STEP_AND_VERIFY_CONTINUATION = [791, 4189, 10936, 28, 549, 1010, 622, 253]
+
+
 @pytest.fixture(scope="module")
 def default_int8():
     """The default model under int8 (loaded once for the module's tests that read it)."""
@@ -242,8 +247,8 @@ def test_int8_on_the_default_model_is_bitwise_across_widths_and_speculation_is_e
     an int8 rounding and logits move by up to 1.0), a step and a verify agree bitwise, and
     speculative greedy output equals plain greedy."""
     model = default_int8
-    prompt = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)
-    logits = _step_and_verify_logits(model, prompt, [791, 4189, 10936, 28, 549, 1010, 622, 253])
+    prompt = model.tokenizer.encode(STEP_AND_VERIFY_TEXT)
+    logits = _step_and_verify_logits(model, prompt, STEP_AND_VERIFY_CONTINUATION)
     for t in (1, 5):
         np.testing.assert_array_equal(logits[t], logits[8][:, :t])
     # unpadded, every Spec-Bench prompt tried diverged within 6-46 tokens; EAGLE-3 is in bench/spec.py
@@ -260,13 +265,13 @@ def test_int8_on_the_default_model_is_bitwise_across_widths_and_speculation_is_e
 def test_int8_at_batch_8_and_32_is_bitwise_in_a_step_and_inside_a_verify(default_int8, batch):
     """Past batch 1 the loop pads batch * T, not T, to TOKEN_LANES: at batch 8 a plain step is
     [8, 1] (8 tokens) and a k = 7 verify [8, 8] (64); at batch 32, 32 against 256. With RMSNorm's
-    sum a `jnp.sum`, XLA:CPU reduced differently once a forward held 64 tokens (256 once the mean
+    mean a `jnp.mean`, XLA:CPU reduced differently once a forward held 64 tokens (256 once the mean
     was taken along the minor axis), the logits moved by an ulp and then by int8 flips (0.66 at
     batch 64), and prompt lookup left plain greedy in 54 of 64 rows at batch 64. `feature_sum`
     adds elementwise, the same at every width."""
     model = default_int8
-    prompt = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)
-    logits = _step_and_verify_logits(model, prompt, [791, 4189, 10936, 28, 549, 1010, 622, 253], batch=batch)
+    prompt = model.tokenizer.encode(STEP_AND_VERIFY_TEXT)
+    logits = _step_and_verify_logits(model, prompt, STEP_AND_VERIFY_CONTINUATION, batch=batch)
     for t in (1, 5):
         np.testing.assert_array_equal(logits[t], logits[8][:, :t])
 
