@@ -5,7 +5,7 @@ is a head's validation figure what it does when drafting, and on which kind of r
         --data corpora/smollm2-135m/round_004/dataset.npz \
         --head v1=eagle3-smollm2-135m --head v2=runs/v2/head
 
-Two tables, every head measured on the same text:
+Three tables, every head measured on the same text:
 
   * teacher-forced, over every held-out row of `--data` (a corpus's dataset.npz, or a train-head
     run's train_data.npz with `--run`): the head run once over the whole row on the target's
@@ -13,6 +13,9 @@ Two tables, every head measured on the same text:
     token, at every answer position and at the positions a 3-gram lookup over the row does not
     already propose ("new text"), by source where the data names its rows' sources (a corpus's
     `ids`: magpie, math, self_instruct_topic, ...);
+  * the same slots by the target's confidence in its greedy token (CONFIDENCE_BINS), split into
+    those a 3-gram lookup proposes (the target copying its own context) and new text: where the
+    target is near certain, a head that misses lacks what the target saw;
   * online: greedy speculative decoding (chain k = `--k`) of `--prompts` held-out prompts drawn
     in turn from each source (seeded; the first rows of a split are one template's, a biased
     sample), first-draft acceptance and tau, and the teacher-forced agreement on the text it
@@ -26,51 +29,102 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import platform
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from results_md import add_output_options, command_line, publish  # bench/ is on sys.path when a bench script runs
 
 import jaxspec
-from jaxspec import train
+from jaxspec import models, train
 from jaxspec.models import eagle3
 from jaxspec.train.data import Dataset, Example, bucket_widths, pack
-from jaxspec.train.features import target_batch
 
 UNNAMED = "all rows"  # the source of rows whose data names none
 
 
-def agreement_by_row(target, head, data: Dataset, batch_size: int = 4) -> np.ndarray:
-    """int[N, 4]: per row (agreeing, scored, agreeing on new text, scored new text) depth-0 drafts.
+@dataclasses.dataclass(frozen=True)
+class Depth0Positions:
+    """Every scored depth-0 draft slot of some rows, flat (one entry per slot, rows in order)."""
+
+    row: np.ndarray  # int[P]: the row of each slot
+    agrees: np.ndarray  # bool[P]: the head's draft is the target's greedy token
+    new: np.ndarray  # bool[P]: a 3-gram lookup over the row does not propose that token
+    confidence: np.ndarray  # float[P]: the target's probability of its greedy token there
+
+
+def depth0_positions(target, head, data: Dataset, batch_size: int = 4) -> Depth0Positions:
+    """The head run once over each whole row on the target's features, as training's depth 0.
 
     Head slot p reads (target feature p, token p + 1) and drafts token p + 2; it agrees when that
     is the target's argmax at p + 1. A slot is scored when token p + 2 is the assistant's (the
     training loss mask, `Dataset.batch`), and is new text when a 3-gram lookup over the row's
     earlier tokens does not propose token p + 2 (`Dataset.next_is_lookup_predicted`)."""
     hidden = eagle3.target_hidden_layers(head.config.aux_layer_ids)
-    counts = np.zeros((len(data), 4), np.int64)
+    parts = []
     for start in range(0, len(data), batch_size):
         rows = np.arange(start, min(start + batch_size, len(data)))
         width = int(bucket_widths(data.lengths[rows], 64, data.seq_len).max())  # like lengths share a compile
         batch = data.batch(rows, width)
-        out = target_batch(target.params, target.config, hidden,
-                           {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]})
+        logits, features, _ = models.forward(target.params, target.config, batch["tokens"],
+                                             models.create_cache(target.config, len(rows), width),
+                                             hidden_layers=hidden)
+        greedy = jnp.argmax(logits, axis=-1)  # [B, W]: the target's token after each prefix
+        confidence = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)  # [B, W]: its probability
         tokens = np.asarray(batch["tokens"])  # [B, W]
         tokens_in = jnp.asarray(np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1))
-        logits, _, _ = eagle3.forward(head.params, head.config, target.params.embed, tokens_in,
-                                      eagle3.encode(head.params, out["features"]),
-                                      eagle3.create_cache(head.config, len(rows), width))
-        drafted = np.asarray(eagle3.to_target_ids(head.params, jnp.argmax(logits, axis=-1)))  # [B, W]
+        head_logits, _, _ = eagle3.forward(head.params, head.config, target.params.embed, tokens_in,
+                                           eagle3.encode(head.params, features),
+                                           eagle3.create_cache(head.config, len(rows), width))
+        drafted = np.asarray(eagle3.to_target_ids(head.params, jnp.argmax(head_logits, axis=-1)))  # [B, W]
         # Everything below at slot p, about token p + 2: one position on from `batch`'s alignment.
-        label = _next(np.asarray(out["labels"]))
+        label = _next(np.asarray(greedy))
         scored = _next(np.asarray(batch["loss_mask"]))
-        new = scored & ~_next(data.next_is_lookup_predicted(rows, width))
-        agrees = drafted == label
-        counts[rows] = np.stack([(agrees & scored).sum(1), scored.sum(1), (agrees & new).sum(1), new.sum(1)], axis=1)
+        new = ~_next(data.next_is_lookup_predicted(rows, width))
+        parts.append((np.broadcast_to(rows[:, None], scored.shape)[scored], (drafted == label)[scored], new[scored],
+                      _next(np.asarray(confidence))[scored]))
+    return Depth0Positions(*(np.concatenate(column) for column in zip(*parts)))
+
+
+def agreement_by_row(target, head, data: Dataset, batch_size: int = 4) -> np.ndarray:
+    """int[N, 4]: per row (agreeing, scored, agreeing on new text, scored new text) depth-0 drafts
+    (`depth0_positions`)."""
+    return row_counts(depth0_positions(target, head, data, batch_size), len(data))
+
+
+def row_counts(positions: Depth0Positions, num_rows: int) -> np.ndarray:
+    """int[num_rows, 4]: `agreement_by_row`'s counts of `positions`."""
+    counts = np.zeros((num_rows, 4), np.int64)
+    for column, values in enumerate((positions.agrees, np.ones_like(positions.agrees), positions.agrees & positions.new,
+                                     positions.new)):
+        np.add.at(counts[:, column], positions.row, values.astype(np.int64))
     return counts
+
+
+# The target's probability of its own greedy token: where it is near 1 the next token is all but
+# fixed by the prefix, and a head that misses there lacks what the target saw, not luck.
+CONFIDENCE_BINS = (0.0, 0.5, 0.9, 0.99, 1.0)
+
+
+def agreement_by_confidence(positions: Depth0Positions) -> list[dict]:
+    """Per CONFIDENCE_BINS bin (the last closed): its share of the slots, the head's agreement
+    there, and the same split into slots a 3-gram lookup proposes ("lookup", where the target
+    copies its own context) and new text. Agreement is None where a bin has no such slot."""
+    def rate(mask):
+        return float(positions.agrees[mask].mean()) if mask.any() else None
+
+    bins = []
+    for low, high in zip(CONFIDENCE_BINS[:-1], CONFIDENCE_BINS[1:]):
+        inside = (positions.confidence >= low) & ((positions.confidence < high) | (high == CONFIDENCE_BINS[-1]))
+        lookup = inside & ~positions.new
+        bins.append({"low": low, "high": high, "share": float(inside.mean()), "agreement": rate(inside),
+                     "lookup_share": float(lookup.mean()), "lookup_agreement": rate(lookup),
+                     "new_agreement": rate(inside & positions.new)})
+    return bins
 
 
 def _next(x: np.ndarray) -> np.ndarray:
@@ -106,6 +160,10 @@ def sample_by_source(rows: np.ndarray, sources: list[str], count: int, seed: int
             if queues[source] and len(chosen) < count:
                 chosen.append(queues[source].pop(0))
     return chosen
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _share(agreeing: int, scored: int) -> str:
@@ -152,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
              f"{described}: {len(held)} rows, {int(held.assistant_tokens().sum()):,} answer tokens.", "",
              "Teacher-forced depth-0 agreement with the target, all answer positions / new text only (positions):", "",
              "| head | " + " | ".join(names + ["all"]) + " |", "|---|" + "---:|" * (len(names) + 1)]
+    confident = ["By the target's confidence (its probability of its greedy token), all sources: the bin's share "
+                 "of the answer positions, the head's agreement there, the share a 3-gram lookup proposes (the "
+                 "target copying its context) and the agreement on those and on the rest:", "",
+                 "| head | target's confidence | share | agreement | lookup share | agreement on lookup | "
+                 "agreement on new text |", "|---|---|---:|---:|---:|---:|---:|"]
     drawn = collections.Counter(sources[i] for i in chosen)
     online = [f"Online, {len(prompts)} held-out prompts ({', '.join(f'{n} {drawn[n]}' for n in names if drawn[n])}), "
               f"{args.new_tokens} greedy tokens, chain k = {args.k}:", "",
@@ -159,20 +222,25 @@ def main(argv: list[str] | None = None) -> int:
               "|---|---:|---:|---:|"]
     for name, path in specs:
         head = jaxspec.load(path)
-        counts = agreement_by_row(target, head, held)
+        positions = depth0_positions(target, head, held)
+        counts = row_counts(positions, len(held))
         cells = []
         for source in names + [None]:
             picked = counts[[source is None or s == source for s in held_sources]].sum(0)
             cells.append(f"{_share(picked[0], picked[1])} / {_share(picked[2], picked[3])}")
         lines.append(f"| {name} ({path}) | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
+        for bin_ in agreement_by_confidence(positions):
+            confident.append(f"| {name} | {bin_['low']:g}-{bin_['high']:g} | {bin_['share']:.3f} | "
+                             f"{_rate(bin_['agreement'])} | {bin_['lookup_share']:.3f} | "
+                             f"{_rate(bin_['lookup_agreement'])} | {_rate(bin_['new_agreement'])} |")
         result = jaxspec.generate(target, head, prompts, max_new_tokens=args.new_tokens, num_draft_tokens=args.k,
                                   ignore_eos=True)
         text = agreement_by_row(target, head, generated_rows(prompts, result.tokens)).sum(0)
         online.append(f"| {name} ({path}) | {result.stats.acceptance_by_position[0]:.3f} | {result.stats.tau:.2f} | "
                       f"{_share(text[0], text[1])} |")
         print(online[-1], flush=True)
-    lines += ["", *online, "", command_line("head_agreement.py", argv)]
+    lines += ["", *confident, "", *online, "", command_line("head_agreement.py", argv)]
     publish("\n".join(lines), title, args.results, write=not args.no_write)
     return 0
 

@@ -101,18 +101,21 @@ def test_agreement_counts_are_the_proposers_drafts_after_each_prefix(script, mod
     target, head = models
     data = _rows()
     counts = script.agreement_by_row(target, head, data, batch_size=1)
+    positions = script.depth0_positions(target, head, data, batch_size=1)
 
     aux = HEAD.resolved_aux_layers(TARGET.num_layers)
     proposer = proposers.Eagle3(num_draft=1, config=HEAD, aux_layer_ids=aux)
     draft_params = {"head": head.params, "embed": target.params.embed}
     absorb = jax.jit(proposer._absorb)
     expected = np.zeros_like(counts)
+    confidence = []
     for r in range(len(data)):
         row = data.tokens[r, : data.lengths[r]].tolist()
         padded = jnp.asarray([row + [0] * (WIDTH - len(row))])
         logits, features, _ = llama.forward(target.params, TARGET, padded, KVCache.create(TARGET, 1, WIDTH),
                                             hidden_layers=eagle3.target_hidden_layers(aux))
         greedy = np.asarray(jnp.argmax(logits[0], axis=-1))  # [W]: the target's token after each prefix
+        probs = np.asarray(jax.nn.softmax(logits[0], axis=-1))  # [W, V]
         shifted = jnp.concatenate([padded[:, 1:], jnp.zeros((1, 1), jnp.int32)], axis=1)
         for q in range(2, len(row)):  # the draft of token q, after absorbing the prefix row[:q]
             if not data.assistant[r, q]:
@@ -122,10 +125,31 @@ def test_agreement_counts_are_the_proposers_drafts_after_each_prefix(script, mod
             agrees = drafted == int(greedy[q - 1])
             new = not _lookup_proposes(row, q)
             expected[r] += [agrees, 1, agrees and new, new]
+            confidence.append(probs[q - 1, greedy[q - 1]])
     np.testing.assert_array_equal(counts, expected)
+    np.testing.assert_allclose(positions.confidence, confidence, rtol=1e-5)
     assert expected[:, 1].tolist() == [int(data.assistant[0].sum()), int(data.assistant[1].sum())]
     assert expected[0, 3] == expected[0, 1] - 15  # the loop's last 15 tokens are a lookup's
     assert expected[:, 0].sum() > 0  # some drafts agree: the counts compare more than zeros
+
+
+def test_agreement_by_confidence_bins_the_slots_and_splits_lookup_from_new_text(script):
+    # 6 slots: confidences in bins 0-0.5 (2), 0.5-0.9 (1), 0.9-0.99 (0) and 0.99-1 (3, 1.0 included).
+    positions = script.Depth0Positions(row=np.zeros(6, int),
+                                       agrees=np.array([True, False, True, True, False, True]),
+                                       new=np.array([True, True, False, False, True, True]),
+                                       confidence=np.array([0.1, 0.49999, 0.5, 0.995, 1.0, 0.99]))
+    bins = script.agreement_by_confidence(positions)
+    assert [(b["low"], b["high"]) for b in bins] == [(0.0, 0.5), (0.5, 0.9), (0.9, 0.99), (0.99, 1.0)]
+    assert [b["share"] for b in bins] == pytest.approx([2 / 6, 1 / 6, 0, 3 / 6])
+    assert [b["agreement"] for b in bins] == pytest.approx([0.5, 1.0, None, 2 / 3])
+    assert bins[3]["lookup_share"] == pytest.approx(1 / 6) and bins[3]["lookup_agreement"] == 1.0
+    assert bins[3]["new_agreement"] == pytest.approx(0.5)
+    assert bins[1]["new_agreement"] is None and bins[2]["agreement"] is None
+    counts = script.row_counts(script.Depth0Positions(row=np.array([0, 1, 1]), agrees=np.array([True, True, False]),
+                                                      new=np.array([False, True, True]),
+                                                      confidence=np.ones(3)), 3)
+    np.testing.assert_array_equal(counts, [[1, 1, 0, 0], [1, 2, 1, 2], [0, 0, 0, 0]])
 
 
 def test_prompts_are_drawn_from_each_source_in_turn(script):
