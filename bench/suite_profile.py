@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import pathlib
 import sys
 import time
 
@@ -51,7 +52,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def summarize(path: str, top: int = 30) -> str:
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
     per_module = collections.defaultdict(lambda: {"wall": 0.0, "compile_s": 0.0, "compiles": 0, "tests": 0})
     for row in rows:
         module = per_module[row["test"].split("::")[0]]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import importlib.util
 import os
+import pathlib
+import sys
 
 # XLA:CPU compiles the suite's programs at LLVM optimization level 0: most of the suite's time is
 # compiling (a tiny model's decode loop: 4.3 s of XLA at the default level, about half at 0), and
@@ -117,6 +120,28 @@ def release_programs():
 def tiny_model() -> Model:
     """A 2-layer random model with well-separated logits (scale 0.2) and no tokenizer."""
     return Model(config=TINY, params=llama.init_params(TINY, jax.random.PRNGKey(0), scale=0.2))
+
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench_script(name: str):
+    """bench/NAME.py as a module. bench/ is a folder of scripts, not a package: it is on sys.path
+    only while the script loads (for the bench modules it imports, results_md and spec among
+    them), and those leave sys.modules after, so their names never shadow others for the rest of
+    a worker's run."""
+    before = set(sys.modules)
+    bench_modules = {path.stem for path in BENCH.glob("*.py")}
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+        for module_name in (set(sys.modules) - before) & bench_modules:
+            del sys.modules[module_name]
+    return module
 
 
 def has_default_model() -> bool:

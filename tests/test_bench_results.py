@@ -5,19 +5,15 @@ And bench/heads.py's account of where a head came from."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
-# Loaded from its file: bench/ is a folder of scripts, not a package, and on sys.path its module
-# names (spec, sampling, sharding, ...) would shadow others for the rest of the worker's run.
-_spec = importlib.util.spec_from_file_location("bench_results_md", BENCH / "results_md.py")
-results_md = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(results_md)
+from tests.conftest import BENCH, load_bench_script
+
+results_md = load_bench_script("results_md")
 
 
 def test_a_section_is_replaced_in_place_and_the_others_kept(tmp_path):
@@ -56,18 +52,8 @@ def test_the_command_line_names_the_script_and_its_arguments(monkeypatch):
 
 
 @pytest.fixture
-def heads_script(monkeypatch):
-    """bench/heads.py as a module, with bench/ on sys.path only while the test runs: the bench
-    modules it imports (spec, results_md) leave sys.modules with it."""
-    before = set(sys.modules)
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_heads", BENCH / "heads.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    for name in set(sys.modules) - before:
-        if not name.startswith("jaxspec"):
-            del sys.modules[name]
+def heads_script():
+    return load_bench_script("heads")
 
 
 def test_heads_bench_reports_an_exported_checkpoint_with_the_steps_it_had(heads_script, tmp_path):

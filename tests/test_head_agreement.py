@@ -6,11 +6,6 @@ takes the sources in turn."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +18,8 @@ from jaxspec.config import ModelConfig
 from jaxspec.models import eagle3, llama
 from jaxspec.spec import proposers
 from jaxspec.train.data import Dataset
+from tests.conftest import load_bench_script
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 TARGET = ModelConfig(vocab_size=96, dim=48, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=12,
                      ffn_dim=80, rotary_dim=12, max_position_embeddings=256, eos_token_ids=(3,))
 HEAD = eagle3.Eagle3Config(dim=48, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64, draft_vocab_size=40,
@@ -33,33 +28,14 @@ HEAD = eagle3.Eagle3Config(dim=48, num_heads=4, num_kv_heads=2, head_dim=16, ffn
 WIDTH = 64  # the bench pads rows to a multiple of 64
 
 
-@contextlib.contextmanager
-def _bench_script(name: str):
-    """bench/NAME.py as a module; the bench modules it imports leave sys.modules after."""
-    before = set(sys.modules)
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    yield module
-    for module_name in set(sys.modules) - before:
-        if not module_name.startswith("jaxspec"):
-            del sys.modules[module_name]
-
-
 @pytest.fixture(scope="module")
 def script():
-    with _bench_script("head_agreement") as module:
-        yield module
+    return load_bench_script("head_agreement")
 
 
 @pytest.fixture(scope="module")
 def heads_script():
-    with _bench_script("heads") as module:
-        yield module
+    return load_bench_script("heads")
 
 
 @pytest.fixture(scope="module")

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
-# Loaded from its file, so bench/ never joins this worker's sys.path (its modules' names, spec and
-# heads among them, would shadow others for every later test).
-_spec = importlib.util.spec_from_file_location("bench_suite_profile", BENCH / "suite_profile.py")
-suite_profile = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(suite_profile)
+from tests.conftest import BENCH, load_bench_script
+
+suite_profile = load_bench_script("suite_profile")
 
 
 def test_the_plugin_counts_each_test_s_compiles_and_the_summary_adds_them(tmp_path):

@@ -29,8 +29,10 @@ The formats:
   per token, so a token's product does not depend on how many tokens share it. The float work
   around the products does, by an ulp, and an ulp can flip an int8 rounding: so decode forwards
   over int8 (and bf16) weights are padded to TOKEN_LANES tokens (jaxspec.spec.loop), RMSNorm sums
-  features the same way at every token count (`layers.feature_sum`), and then a position's
-  logits are bitwise the same in a step as inside a verify, at any batch. (Per-block activation
+  features the same way at every token count (`layers.feature_sum`), and then on the default
+  model a position's logits are bitwise the same in a step as inside a verify (measured at batch
+  1 to 64; the attention's float work still varies with the query count at other shapes:
+  docs/design.md). (Per-block activation
   scales, the other cure for outliers, need a batched product per block, ~2x slower here.)
   On XLA CPU a one-column int8 product takes a slow matrix-vector path, so one-column products
   are padded to two. At 2..8 tokens an int8 forward of the default model takes 0.6-0.8 of
