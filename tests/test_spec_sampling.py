@@ -19,7 +19,7 @@ import pytest
 import jaxspec
 from jaxspec.config import ModelConfig
 from jaxspec import models
-from jaxspec.models import llama
+from jaxspec.models import eagle3, llama, mtp
 from jaxspec.sampling import SamplingParams, distribution, spec_for
 from jaxspec.spec import loop, verify
 
@@ -113,6 +113,30 @@ def test_speculative_sampling_matches_the_exact_distribution(target, draft, name
     draft_model = draft if method["method"] == "draft" else None
     stats = assert_lossless(target, draft_model, settings, **method)
     assert stats.accepted > 0  # drafts do get accepted: the acceptance path is exercised
+
+
+def small_eagle3_head(draft_vocab_size: int) -> jaxspec.Model:
+    """An EAGLE-3 head for SMALL whose d2t maps its `draft_vocab_size` ids onto shuffled target
+    ids (eagle3.init_params): all 12 (a permutation), or a reduced vocabulary."""
+    cfg = eagle3.Eagle3Config(dim=SMALL.dim, num_heads=2, num_kv_heads=1, head_dim=16, ffn_dim=48,
+                              draft_vocab_size=draft_vocab_size, vocab_size=SMALL.vocab_size, rope_theta=10000.0,
+                              rotary_dim=16, norm_eps=1e-5, max_position_embeddings=64, aux_layer_ids=(0, 1, 1))
+    return jaxspec.Model(config=cfg, params=eagle3.init_params(cfg, jax.random.PRNGKey(2), scale=0.5))
+
+
+HEADS = {
+    # A permutation of the whole vocabulary: q must follow d2t even when the sizes agree.
+    "eagle3-permuted-vocab": lambda: small_eagle3_head(SMALL.vocab_size),
+    "mtp": lambda: jaxspec.Model(config=mtp.MtpConfig(block=SMALL),
+                                 params=mtp.init_params(mtp.MtpConfig(block=SMALL), jax.random.PRNGKey(3))),
+}
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_sampled_head_drafts_match_the_exact_distribution(target, head):
+    settings = dict(temperature=1.0)
+    stats = assert_lossless(target, HEADS[head](), settings, method=head.split("-")[0])
+    assert stats.accepted > 0
 
 
 def test_plain_sampling_matches_the_exact_distribution(target):

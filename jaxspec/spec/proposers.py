@@ -346,7 +346,8 @@ class _FeatureHead:
 
     A subclass says how target features become the head's input (`_encode`), runs one head step
     (`_step`), maps head-vocabulary ids to target ids (`_to_target`) and makes the head's cache.
-    Fields it must have: num_draft, sample, sampler, and a `vocab_size` (the target's V).
+    Fields it must have: num_draft, sample, sampler, a `vocab_size` (the target's V) and
+    `speaks_target_ids` (whether the head's ids are the target's, or map through `_to_target`).
     """
 
     def _encode(self, draft_params, hiddens: tuple[jax.Array, ...]) -> jax.Array: ...
@@ -354,6 +355,12 @@ class _FeatureHead:
     def _step(self, draft_params, tokens, g, cache, **tree_inputs) -> tuple[jax.Array, jax.Array, KVCache]: ...
 
     def _to_target(self, draft_params, ids: jax.Array) -> jax.Array: ...
+
+    def _vocab_map(self, draft_params, size: int) -> jax.Array | None:
+        """int32[Vd]: the target id of each of the head's `size` ids; None where they are the
+        target's own (MTP). A map of the full vocabulary size may still permute it (a d2t), so
+        the head's type decides, not its size."""
+        return None if self.speaks_target_ids else self._to_target(draft_params, jnp.arange(size))
 
     def _create_cache(self, batch: int, capacity: int) -> KVCache: ...
 
@@ -370,14 +377,13 @@ class _FeatureHead:
     def _draft_token(self, draft_params, logits, context, step, grammar_state=None):
         """Head-vocabulary logits -> target token id [B], and q over the target vocabulary; under a
         grammar, drawn from the logits masked by each row's `grammar_state`."""
-        own_vocabulary = logits.shape[-1] == self.vocab_size  # the head speaks the target's vocabulary
-        all_targets = None if own_vocabulary else self._to_target(draft_params, jnp.arange(logits.shape[-1]))
+        all_targets = self._vocab_map(draft_params, logits.shape[-1])  # [Vd], or None: the target's ids
         allowed = context.allowed(grammar_state)  # [B, V] over the target's vocabulary
-        if allowed is not None and not own_vocabulary:
+        if allowed is not None and all_targets is not None:
             allowed = allowed[:, all_targets]  # [B, Vd]
         head_id, head_probs = _next_token(logits, context, step, self.sample, self.sampler, allowed)
         token = self._to_target(draft_params, head_id)
-        if head_probs is None or own_vocabulary:
+        if head_probs is None or all_targets is None:
             return token, head_probs
         probs = jnp.zeros((logits.shape[0], self.vocab_size)).at[:, all_targets].set(head_probs)
         return token, probs
@@ -427,9 +433,7 @@ class _FeatureHead:
                                                positions=positions, tree_mask=mask)
             return logits, g_next, cache
 
-        vocab_map = None
-        if state.next_logits.shape[-1] != self.vocab_size:  # the head's own ids -> target ids
-            vocab_map = self._to_target(draft_params, jnp.arange(state.next_logits.shape[-1]))
+        vocab_map = self._vocab_map(draft_params, state.next_logits.shape[-1])  # the head's ids -> target ids
         grown, cache = tree_lib.grow(self.tree, state.next_logits, state.g_next, expand,
                                      lambda ids: self._to_target(draft_params, ids), state.cache,
                                      tree_lib.GrowGrammar.of(context, vocab_map))
@@ -455,6 +459,7 @@ class Eagle3(_FeatureHead):
     sampler: SamplerSpec | None = None
     tree: DraftTree | None = None
     name: str = "eagle3"
+    speaks_target_ids: bool = False  # its ids map through d2t, even when it has the target's V of them
 
     @property
     def target_hidden_layers(self) -> tuple[int, ...]:
@@ -496,6 +501,7 @@ class Mtp(_FeatureHead):
     sampler: SamplerSpec | None = None
     tree: DraftTree | None = None
     name: str = "mtp"
+    speaks_target_ids: bool = True  # through the target's own lm_head
 
     @property
     def target_hidden_layers(self) -> tuple[int, ...]:
