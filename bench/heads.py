@@ -13,7 +13,9 @@ taking its eight categories in turn, as bench/spec.py picks them), greedy specul
   * first-draft acceptance: P(the first draft of a round is accepted), `acceptance_by_position[0]`;
   * tau: tokens committed per target forward (round);
 
-for chains of each `--k` and each `--tree` shape. The prompts of a group run as one batch (the
+for chains of each `--k` and each `--tree` shape, and each of those again with prompt lookup
+first for each `--lookup-first` n (rows whose last n tokens occurred before draft the lookup's
+continuation, jaxspec.spec.lookup_first). The prompts of a group run as one batch (the
 acceptance counts are per row, so batching changes no figure, only the time). Every speculative
 output is checked against plain greedy of the same batch, token for token (a mismatch is a bug
 and fails the run). Per head and group, the table also gives the share of plain greedy's tokens
@@ -155,19 +157,20 @@ def run_group(model, head, prompts: list[str], plain_tokens, divergences: list[s
     return result.stats
 
 
-def timing(model, heads: dict, prompts: list[str], k: int) -> dict[str, float]:
-    """Median over prompts (batch 1) of each head's decode tokens/s over plain's, run back to back."""
+def timing(model, runs: dict[str, tuple], prompts: list[str], k: int) -> dict[str, float]:
+    """Median over prompts (batch 1) of each run's decode tokens/s over plain's, run back to back;
+    `runs` maps a name to (head, extra generate options)."""
     stop = model.tokenizer.encode(TIMING_STOP_TOKEN, add_special_tokens=False)
-    ratios: dict[str, list[float]] = {name: [] for name in heads}
+    ratios: dict[str, list[float]] = {name: [] for name in runs}
     plain_rates = []
     for prompt in prompts:
         options = dict(chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=stop)
         for _ in range(2):  # the first call of a shape compiles
             plain = jaxspec.generate(model, None, prompt, **options)
         plain_rates.append(plain.stats.decode_tokens_per_second)
-        for name, head in heads.items():
+        for name, (head, extra) in runs.items():
             for _ in range(2):
-                spec = jaxspec.generate(model, head, prompt, num_draft_tokens=k, **options)
+                spec = jaxspec.generate(model, head, prompt, num_draft_tokens=k, **options, **extra)
             ratios[name].append(spec.stats.decode_tokens_per_second / plain.stats.decode_tokens_per_second)
     return {"plain": statistics.median(plain_rates), **{name: statistics.median(r) for name, r in ratios.items()}}
 
@@ -181,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Spec-Bench groups to run (default all six)")
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 6], help="chain draft lengths")
     parser.add_argument("--tree", nargs="*", default=["4,8,16"], help="draft-tree shapes D,K,N")
+    parser.add_argument("--lookup-first", type=int, nargs="*", default=[], metavar="N",
+                        help="also run each setting with prompt lookup first (lookup_first=N), timed too")
     parser.add_argument("--timing-prompts", type=int, default=3, help="MT-bench prompts timed at batch 1 (0: none)")
     parser.add_argument("--timing-k", type=int, default=4)
     parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8"))
@@ -196,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     picked = pick_prompts(args.questions, args.prompts)
     settings = [("chain", k, dict(num_draft_tokens=k)) for k in args.k]
     settings += [("tree", shape, dict(tree=shape)) for shape in args.tree]
+    settings += [(kind, f"{value} +lookup{n}", dict(options, lookup_first=n))
+                 for kind, value, options in list(settings) for n in args.lookup_first]
 
     rows = []  # (head, setting, {group: (first-draft acceptance, tau)})
     undraftable = {name: {} for name in heads}  # {head: {group: share of plain's tokens it cannot draft}}
@@ -218,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                 entry[1][group] = (stats.acceptance_by_position[0], stats.tau)
                 print(f"{group:15s} {name:6s} {kind} {value}: first draft {stats.acceptance_by_position[0]:.3f}, "
                       f"tau {stats.tau:.2f}", flush=True)
-    speed = timing(model, heads, [p.text for p in picked["mt_bench"][: args.timing_prompts]],
+    timed = {name: (head, {}) for name, head in heads.items()}
+    timed |= {f"{name} +lookup{n}": (head, dict(lookup_first=n)) for name, head in heads.items() for n in args.lookup_first}
+    speed = timing(model, timed, [p.text for p in picked["mt_bench"][: args.timing_prompts]],
                    args.timing_k) if args.timing_prompts else None
 
     title = "## EAGLE-3 heads on Spec-Bench (bench/heads.py" + (
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", f"Wall-clock on {args.timing_prompts} MT-bench prompts, batch 1, chain k = {args.timing_k} "
                   f"(median ratio of decode tokens/s; plain {speed['plain']:.1f} tok/s):", "",
                   "| head | speedup over plain |", "|---|---:|"]
-        lines += [f"| {name} | {speed[name]:.2f}x |" for name in heads]
+        lines += [f"| {name} | {speed[name]:.2f}x |" for name in timed]
     lines += ["", command_line("heads.py", argv)]
     publish("\n".join(lines), title, args.results, write=not args.no_write)
     return 0

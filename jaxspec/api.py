@@ -126,6 +126,12 @@ class SpecStats:
     acceptance_by_position: tuple[float, ...]  # P(draft i accepted | proposed), i = 1..k (a tree: depth i reached)
     accepted_depths: tuple[int, ...] = ()  # rounds (summed over rows) that accepted exactly n drafts, n = 0..k
     tree: str | None = None  # the draft tree's "depth,top_k,num_nodes"; None: a chain of k
+    lookup_first: int | None = None  # the n-gram order prompt lookup drafted at, ahead of the method's drafter
+
+    @property
+    def drafter(self) -> str:
+        """The method, with "+lookup" where prompt lookup drafted first (lookup_first)."""
+        return self.method if self.lookup_first is None else f"{self.method}+lookup{self.lookup_first}"
 
     @property
     def mean_accepted(self) -> float:
@@ -430,6 +436,7 @@ def _stats(prepared: Prepared, state: loop.DecodeState, *, prefill_seconds, deco
         acceptance_by_position=tuple(float(a / p) if p else math.nan for a, p in zip(accepted_at, proposed_at)),
         accepted_depths=tuple(int(n) for n in counters.accepted_hist),
         tree=None if prepared.spec.tree is None else str(prepared.spec.tree),
+        lookup_first=prepared.options.lookup_first,
     )
 
 
@@ -482,8 +489,9 @@ def generate(model: Model, draft_params: Model | None = None,
     the vocabulary), "layer_skip" (the target's first `exit_layer` layers; default half),
     "eagle3" (`draft_params`, an EAGLE-3 head), "mtp" (`draft_params` from `load_mtp`, by default
     the head the target's own checkpoint carries), or inferred from `draft_params`;
-    `num_draft_tokens` (k) per round. Greedy speculative output equals plain greedy output token
-    for token.
+    `num_draft_tokens` (k) per round; `lookup_first=n` puts prompt lookup in front of an eagle3,
+    mtp or assistant drafter (rows whose last n tokens occurred earlier draft the lookup's
+    continuation). Greedy speculative output equals plain greedy output token for token.
     Sampling at temperature > 0 with the given filters and `seed` (same seed, same output);
     with a proposer, verification is lossless rejection sampling, and draft models draw their
     drafts from their own distribution (`draft_sampling="sample"`, the default) or propose

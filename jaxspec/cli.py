@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES",
                      help="draft an EAGLE-2 dynamic tree instead of a chain of k: its depth, the children "
                           "expanded per node, and the nodes verified per round (e.g. 4,4,16)")
+    gen.add_argument("--lookup-first", type=int, default=None, metavar="N",
+                     help="with eagle3, mtp or assistant: rows whose last N tokens occurred earlier in their context "
+                          "draft prompt lookup's continuation instead of the head's (N = 2 or 3 suits most text)")
     gen.add_argument("--draft-sampling", choices=DRAFT_SAMPLING, default=None,
                      help="at temperature > 0: drafts sampled from the draft's distribution (default) or its argmax")
     gen.add_argument("--kv-format", default=None, help="the target's KV cache: f32 (default), bf16, q8_0, q5_1, "
@@ -205,7 +208,7 @@ PYTHON_NAMES_TO_FLAGS = {
     "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
     "draft_sampling": "--draft-sampling", "kv_format": "--kv-format", "exit_layer": "--exit-layer",
     "temperature": "--temperature", "logprobs": "--logprobs", "json_schema": "--json-schema", "regex": "--regex",
-    "choices": "--choice",
+    "choices": "--choice", "lookup_first": "--lookup-first",
 }
 _PYTHON_NAME = re.compile(r"\b(" + "|".join(map(re.escape, PYTHON_NAMES_TO_FLAGS)) + r")\b")
 _METHOD_EQUALS = re.compile(r"method='(\w+)'")
@@ -253,6 +256,7 @@ def _generate(args) -> None:
     # Checked before anything loads: a bad flag costs no model load.
     options = GenerateOptions(
         method=args.method, num_draft_tokens=args.num_draft_tokens, tree=args.tree, exit_layer=args.exit_layer,
+        lookup_first=args.lookup_first,
         draft_sampling=args.draft_sampling, kv_format=kv_format, attention=args.attention,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
@@ -276,11 +280,11 @@ def _generate(args) -> None:
     stats = stream.result.stats
     speculation = ""
     if stats.method != "plain" and stats.tree is None:
-        speculation = (f"{stats.method} k={stats.num_draft_tokens}: tau {stats.tau:.2f}, "
+        speculation = (f"{stats.drafter} k={stats.num_draft_tokens}: tau {stats.tau:.2f}, "
                        f"acceptance {stats.acceptance_rate:.0%}, ")
     elif stats.method != "plain":
         depths = " ".join(f"{n}:{rounds}" for n, rounds in enumerate(stats.accepted_depths))
-        speculation = (f"{stats.method} tree {stats.tree}: tau {stats.tau:.2f}, accepted depth "
+        speculation = (f"{stats.drafter} tree {stats.tree}: tau {stats.tau:.2f}, accepted depth "
                        f"{stats.mean_accepted:.2f} per round (rounds by depth {depths}), ")
     rate = f"{stats.decode_tokens_per_second:.1f} tok/s decode" if stats.decode_tokens else "no decode step"
     print(

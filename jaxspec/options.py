@@ -19,7 +19,7 @@ from jaxspec.cache import KVFormat
 from jaxspec.errors import InvalidRequestError, check_text, is_integer
 from jaxspec.pallas.flash_decode import Attention, resolve_attention
 from jaxspec.sampling import SamplerSpec, spec_for
-from jaxspec.spec.methods import DRAFT_SAMPLING, MAX_DRAFT_TOKENS, DraftOptions, Method
+from jaxspec.spec.methods import DRAFT_SAMPLING, MAX_DRAFT_TOKENS, DraftOptions, Method, check_lookup_first
 from jaxspec.spec.tree import DraftTree
 
 MAX_NGRAM = 16
@@ -41,7 +41,9 @@ class GenerateOptions:
     Speculation: `method` (None: "plain", or inferred from the draft), `num_draft_tokens` (k),
     prompt lookup's n-gram range, the layer-skip draft's `exit_layer` (default half the layers),
     `draft_sampling` ("sample" or "argmax" drafts at temperature > 0), `tree` (a `DraftTree`, a
-    (depth, top_k, num_nodes) triple or "D,K,N": draft an EAGLE-2 tree instead of a chain of k).
+    (depth, top_k, num_nodes) triple or "D,K,N": draft an EAGLE-2 tree instead of a chain of k),
+    `lookup_first` n (with eagle3, mtp or assistant: rows whose last n tokens occurred earlier in
+    their context draft prompt lookup's continuation instead of the model's; None: off).
     Sampling: temperature 0 is greedy; top_k 0, top_p 1, min_p 0 and repetition_penalty 1 are off.
     Each may also be a per-row sequence. Stops: EOS (unless `ignore_eos`), `stop_token_ids`, `stop`
     strings, `max_new_tokens`. KV cache: `kv_format` ("f32", "bf16", "q8_0", "q5_1" or a (K, V)
@@ -59,6 +61,7 @@ class GenerateOptions:
     exit_layer: int | None = None
     draft_sampling: str | None = None
     tree: DraftTree | str | tuple[int, int, int] | None = None
+    lookup_first: int | None = None
     max_new_tokens: int = 128
     temperature: float | Sequence[float] = 0.0
     top_k: int | Sequence[int] = 0
@@ -94,6 +97,13 @@ class GenerateOptions:
         if self.exit_layer is not None and (not is_integer(self.exit_layer) or self.exit_layer < 1):
             raise InvalidRequestError(f"exit_layer must be an integer >= 1; got {self.exit_layer!r}")
         normalise("tree", DraftTree.parse(self.tree))
+        if self.lookup_first is not None:
+            if not is_integer(self.lookup_first) or not 1 <= self.lookup_first <= MAX_NGRAM:
+                raise InvalidRequestError(f"lookup_first must be an n-gram order in [1, {MAX_NGRAM}] or None; "
+                                          f"got {self.lookup_first!r:.40}")
+            normalise("lookup_first", int(self.lookup_first))
+            if self.method is not None:  # an inferred method is checked when the draft is known
+                check_lookup_first(self.method)
         if self.draft_sampling not in (None, *DRAFT_SAMPLING):
             raise InvalidRequestError(f"draft_sampling must be one of {DRAFT_SAMPLING}; got {self.draft_sampling!r}")
         if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -197,7 +207,8 @@ class GenerateOptions:
     def draft_options(self) -> DraftOptions:
         return DraftOptions(num_draft_tokens=int(self.num_draft_tokens), ngram_max=int(self.ngram_max),
                             ngram_min=int(self.ngram_min), exit_layer=self.exit_layer,
-                            draft_sampling=self.draft_sampling, tree=self.tree)
+                            draft_sampling=self.draft_sampling, tree=self.tree,
+                            lookup_first=self.lookup_first)
 
     @property
     def constrained(self) -> bool:

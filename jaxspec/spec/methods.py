@@ -19,6 +19,7 @@ from jaxspec.model import Model, layer_skip
 from jaxspec.models import assistant, eagle3, mtp, qwen35
 from jaxspec.sampling import SamplerSpec
 from jaxspec.spec import proposers
+from jaxspec.spec.lookup_first import LookupFirst
 from jaxspec.spec.tree import DraftTree
 
 MAX_DRAFT_TOKENS = 32  # beyond this a round costs far more than any acceptance can repay
@@ -66,6 +67,7 @@ class DraftOptions:
     exit_layer: int | None
     draft_sampling: str | None  # "sample" | "argmax" | None (sample)
     tree: DraftTree | None = None  # draft a tree of this shape instead of a chain of k
+    lookup_first: int | None = None  # n: rows whose last n tokens occurred earlier draft the lookup's continuation
 
     @property
     def num_draft(self) -> int:
@@ -94,8 +96,9 @@ class Speculation:
     def context_limits(self, target: Model) -> list[tuple[str, int]]:
         """(whose, tokens) pairs a prompt + max_new_tokens + k must fit in."""
         limits = [("model's", target.config.max_position_embeddings)]
-        if isinstance(self.proposer, proposers.Mtp):  # a sliding-window MTP block serves up to its window
-            limits.append(("MTP head's", self.proposer.config.block.max_position_embeddings))
+        drafter = self.proposer.model if isinstance(self.proposer, LookupFirst) else self.proposer
+        if isinstance(drafter, proposers.Mtp):  # a sliding-window MTP block serves up to its window
+            limits.append(("MTP head's", drafter.config.block.max_position_embeddings))
         return limits
 
 
@@ -273,4 +276,33 @@ def build(method: Method, target: Model, draft: Model | None, options: DraftOpti
     if options.exit_layer is not None and method is not Method.LAYER_SKIP:
         raise InvalidRequestError(f"exit_layer applies to method='layer_skip' only; method is {method.value!r}")
     _refuse_hybrid_tree(target.config, "target", options)
-    return BUILDERS[method](target, draft, options, sampler)
+    speculation = BUILDERS[method](target, draft, options, sampler)
+    if options.lookup_first is None:
+        return speculation
+    return _with_lookup_first(speculation, options)
+
+
+# Drafters whose state follows the verified tokens alone, so a round drafted by the lookup
+# leaves them as right as one they drafted (jaxspec.spec.lookup_first).
+LOOKUP_FIRST_METHODS = (Method.EAGLE3, Method.MTP, Method.ASSISTANT)
+
+
+def check_lookup_first(method: Method) -> None:
+    """Refuse lookup_first for a method whose drafter cannot stand behind a prompt lookup."""
+    if method in LOOKUP_FIRST_METHODS:
+        return
+    why = {Method.PLAIN: "plain decoding has no drafter to fall back on",
+           Method.NGRAM: "the method already is prompt lookup (ngram_min sets its shortest n-gram)"}.get(
+        method, "a draft model's KV cache follows its own drafts, not the lookup's")
+    raise InvalidRequestError(f"lookup_first applies to methods {', '.join(m.value for m in LOOKUP_FIRST_METHODS)}; "
+                              f"method={method.value!r}: {why}")
+
+
+def _with_lookup_first(speculation: Speculation, options: DraftOptions) -> Speculation:
+    """Put a prompt lookup of n-grams from max(ngram_max, n) down to n = lookup_first in front of
+    the method's drafter: rows where it matches draft its continuation, the others the model's."""
+    check_lookup_first(speculation.method)
+    n = options.lookup_first
+    # A chain of k (a tree's depth) either way: under a tree it is grafted onto the drafter's.
+    lookup = proposers.PromptLookup(num_draft=options.num_draft, ngram_max=max(options.ngram_max, n), ngram_min=n)
+    return dataclasses.replace(speculation, proposer=LookupFirst(lookup=lookup, model=speculation.proposer))

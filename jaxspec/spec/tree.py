@@ -10,7 +10,10 @@ the proposal's `drafts[:, v - 1]`. Every row has the same N (fixed shapes) and g
 
 Node v sits in cache slot `length + v` with RoPE position `length + depth(v)`, and attends to
 the committed context and to its ancestors and itself (`ancestor_mask`, `verify_mask`). Siblings
-carry distinct tokens (the builders make sure of it), which both acceptance rules rely on.
+grown by a drafter carry distinct tokens; a lookup chain grafted at the root (`graft_chain`) may
+repeat one, which both acceptance rules allow for: greedy keeps the deepest matching path, whose
+tokens are plain greedy's whichever copy it runs through, and sampling tries a repeated token
+only after its first copy was rejected, with that token's p already removed, so never keeps it.
 
 Acceptance walks down from the root. Greedy (`greedy_accept`) takes the longest root-to-node path
 whose every token is the target's argmax at its parent: at most one child per node can match, so
@@ -223,10 +226,14 @@ def rejection_sample(pending: jax.Array, drafts: jax.Array, parents: jax.Array, 
     current = jnp.zeros((batch,), jnp.int32)  # the accepted node the walk stands on
     active = jnp.ones((batch,), bool)  # no rejection yet
     final = jnp.zeros(target_probs[:, 0].shape, target_probs.dtype)  # [B, V]: where the bonus is drawn
+    # [B, 1+N, 1+N]: node j precedes node i and drafts the same token. A sibling repeating an
+    # earlier one's token (a grafted lookup chain may) is tried with its p already removed: never kept.
+    repeats = (tokens[:, :, None] == tokens[:, None, :]) & (jnp.arange(size)[:, None] > jnp.arange(size)[None, :])
     for level in range(depth):
         p = target_probs[rows, current]  # [B, V]
         children = valid & (all_parents == current[:, None]) & active[:, None]  # [B, 1+N]
-        p_child = jnp.where(children, jnp.take_along_axis(p, tokens, axis=1), 0.0)  # [B, 1+N]
+        first_of_token = children & ~jnp.any(repeats & children[:, None, :], axis=-1)
+        p_child = jnp.where(first_of_token, jnp.take_along_axis(p, tokens, axis=1), 0.0)  # [B, 1+N]
         rejected_mass = jnp.cumsum(p_child, axis=1) - p_child  # siblings tried before each child
         uniform = jax.random.uniform(jax.random.fold_in(key, level), (batch, size))
         keep = children & (uniform * (1.0 - rejected_mass) < p_child)
@@ -286,6 +293,26 @@ def trie(continuations: jax.Array, real: jax.Array, num_nodes: int) -> tuple[jax
         continuations.reshape(batch, -1), mode="drop")
     node_parents = jnp.zeros((batch, num_nodes), jnp.int32).at[rows, slot].set(parents, mode="drop")
     return drafts, node_parents, jnp.sum(kept, axis=1).astype(jnp.int32)
+
+
+def graft_chain(drafts: jax.Array, parents: jax.Array, chain: jax.Array,
+                chain_length: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A chain grafted onto a grown tree at the root, in place of the tree's last nodes.
+
+    drafts, parents: int32[B, N], a tree in grown order (`grow`: parents first, level by level);
+    chain: int32[B, D], of which the first chain_length int32[B] (at most N) are real. Row b keeps
+    its first N - chain_length[b] nodes and gives the rest to the chain: dropping a suffix of
+    grown order drops every descendant of a dropped node with it (a child follows its parent),
+    and the deepest candidates, the least likely to be reached, go first. The chain's first node
+    hangs off the root, each next one off the one before. -> drafts, parents int32[B, N]."""
+    nodes = drafts.shape[1]
+    index = jnp.arange(nodes)[None, :]  # [1, N]
+    first = (nodes - chain_length)[:, None]  # [B, 1]: where the chain starts
+    step = jnp.clip(index - first, 0, chain.shape[1] - 1)  # [B, N]: the chain position a grafted node holds
+    grafted = index >= first
+    chain_parents = jnp.where(index == first, 0, index)  # node j's verify index is j + 1: its predecessor's is j
+    return (jnp.where(grafted, jnp.take_along_axis(chain, step, axis=1), drafts),
+            jnp.where(grafted, chain_parents, parents))
 
 
 # ----------------------------------------------------------------------------------------------
