@@ -23,7 +23,8 @@ outside an EAGLE-3 head's draft vocabulary: the head can never propose them, so 
 positions its acceptance is 0 whatever it learned.
 
 Wall-clock: on the first `--timing-prompts` MT-bench prompts, at batch 1, plain decoding and each
-head at `--timing-k` run back to back per prompt; the speedup is the median over prompts of the
+head at a chain of `--timing-k` (and each `--timing-tree` shape, and each of those again with
+each `--lookup-first` n) run back to back per prompt; the speedup is the median over prompts of the
 ratio of decode tokens/s. A head directory written by `jaxspec.cli train-head` carries its
 training data (train_data.npz): its rows and assistant tokens are reported beside it, so a table
 of heads trained on growing data is the acceptance curve against data size. A head exported from
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run each setting with prompt lookup first (lookup_first=N), timed too")
     parser.add_argument("--timing-prompts", type=int, default=3, help="MT-bench prompts timed at batch 1 (0: none)")
     parser.add_argument("--timing-k", type=int, default=4)
+    parser.add_argument("--timing-tree", nargs="*", default=[], metavar="D,K,N",
+                        help="also time these draft-tree shapes (each head, and with each --lookup-first)")
     parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8"))
     parser.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS)
     add_output_options(parser)
@@ -225,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                 entry[1][group] = (stats.acceptance_by_position[0], stats.tau)
                 print(f"{group:15s} {name:6s} {kind} {value}: first draft {stats.acceptance_by_position[0]:.3f}, "
                       f"tau {stats.tau:.2f}", flush=True)
-    timed = {name: (head, {}) for name, head in heads.items()}
-    timed |= {f"{name} +lookup{n}": (head, dict(lookup_first=n)) for name, head in heads.items() for n in args.lookup_first}
+    drafts = [(f"chain {args.timing_k}", {})] + [(f"tree {shape}", dict(tree=shape)) for shape in args.timing_tree]
+    drafts += [(f"{label} +lookup{n}", dict(extra, lookup_first=n)) for label, extra in list(drafts)
+               for n in args.lookup_first]
+    timed = {f"{name} {label}": (head, extra) for name, head in heads.items() for label, extra in drafts}
     speed = timing(model, timed, [p.text for p in picked["mt_bench"][: args.timing_prompts]],
                    args.timing_k) if args.timing_prompts else None
 
@@ -252,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {name} | " + " | ".join("-" if share[g] is None else f"{share[g]:.3f}" for g in groups) + " |"
               for name, share in undraftable.items()]
     if speed is not None:
-        lines += ["", f"Wall-clock on {args.timing_prompts} MT-bench prompts, batch 1, chain k = {args.timing_k} "
+        lines += ["", f"Wall-clock on {args.timing_prompts} MT-bench prompts, batch 1 "
                   f"(median ratio of decode tokens/s; plain {speed['plain']:.1f} tok/s):", "",
-                  "| head | speedup over plain |", "|---|---:|"]
+                  "| head, drafts | speedup over plain |", "|---|---:|"]
         lines += [f"| {name} | {speed[name]:.2f}x |" for name in timed]
     lines += ["", command_line("heads.py", argv)]
     publish("\n".join(lines), title, args.results, write=not args.no_write)
