@@ -84,16 +84,18 @@ def test_a_lookup_and_a_model_of_different_k_are_refused():
         lookup_first.LookupFirst(lookup=PromptLookup(num_draft=2), model=FixedDrafter())
 
 
-def test_a_chain_grafted_onto_a_tree_takes_its_last_nodes():
+def test_a_chain_grafted_onto_a_tree_follows_it_then_takes_its_last_nodes():
     # A grown tree of 6 nodes: root children 1, 2 (verify indices); 3, 4 under 1; 5 under 3; 6 under 2.
-    drafts = jnp.array([[10, 20, 11, 12, 13, 21]] * 3)
-    parents = jnp.array([[0, 0, 1, 1, 3, 2]] * 3)
-    chain = jnp.array([[7, 8, 9, 0]] * 3)
-    grafted, grafted_parents = tree_lib.graft_chain(drafts, parents, chain, jnp.array([0, 2, 3]))
-    np.testing.assert_array_equal(grafted, [[10, 20, 11, 12, 13, 21], [10, 20, 11, 12, 7, 8],
-                                            [10, 20, 11, 7, 8, 9]])
-    # The chain hangs off the root, each node off the one before; the kept nodes keep their parents.
-    np.testing.assert_array_equal(grafted_parents, [[0, 0, 1, 1, 3, 2], [0, 0, 1, 1, 0, 5], [0, 0, 1, 0, 4, 5]])
+    drafts = jnp.array([[10, 20, 11, 12, 13, 21]] * 4)
+    parents = jnp.array([[0, 0, 1, 1, 3, 2]] * 4)
+    chain = jnp.array([[7, 8, 9, 0], [7, 8, 9, 0], [10, 11, 9, 0], [10, 11, 13, 0]])
+    grafted, grafted_parents = tree_lib.graft_chain(drafts, parents, chain, jnp.array([0, 3, 3, 3]))
+    np.testing.assert_array_equal(grafted, [[10, 20, 11, 12, 13, 21],  # no chain: the tree as grown
+                                            [10, 20, 11, 7, 8, 9],  # new from the root: the last 3 nodes
+                                            [10, 20, 11, 12, 13, 9],  # follows 10, 11; 9 under node 3
+                                            [10, 20, 11, 12, 13, 13]])  # node 5 was not surely kept: repeated
+    np.testing.assert_array_equal(grafted_parents, [[0, 0, 1, 1, 3, 2], [0, 0, 1, 0, 4, 5],
+                                                    [0, 0, 1, 1, 3, 3], [0, 0, 1, 1, 3, 3]])
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ the proposal's `drafts[:, v - 1]`. Every row has the same N (fixed shapes) and g
 
 Node v sits in cache slot `length + v` with RoPE position `length + depth(v)`, and attends to
 the committed context and to its ancestors and itself (`ancestor_mask`, `verify_mask`). Siblings
-grown by a drafter carry distinct tokens; a lookup chain grafted at the root (`graft_chain`) may
-repeat one, which both acceptance rules allow for: greedy keeps the deepest matching path, whose
+grown by a drafter carry distinct tokens; a lookup chain grafted onto the tree (`graft_chain`)
+may rarely repeat one (a sibling among the nodes it replaced may survive), which both acceptance rules allow for: greedy keeps the deepest matching path, whose
 tokens are plain greedy's whichever copy it runs through, and sampling tries a repeated token
 only after its first copy was rejected, with that token's p already removed, so never keeps it.
 
@@ -297,20 +297,32 @@ def trie(continuations: jax.Array, real: jax.Array, num_nodes: int) -> tuple[jax
 
 def graft_chain(drafts: jax.Array, parents: jax.Array, chain: jax.Array,
                 chain_length: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A chain grafted onto a grown tree at the root, in place of the tree's last nodes.
+    """A chain grafted onto a grown tree from the root, in place of the tree's last nodes.
 
     drafts, parents: int32[B, N], a tree in grown order (`grow`: parents first, level by level);
-    chain: int32[B, D], of which the first chain_length int32[B] (at most N) are real. Row b keeps
-    its first N - chain_length[b] nodes and gives the rest to the chain: dropping a suffix of
-    grown order drops every descendant of a dropped node with it (a child follows its parent),
-    and the deepest candidates, the least likely to be reached, go first. The chain's first node
-    hangs off the root, each next one off the one before. -> drafts, parents int32[B, N]."""
-    nodes = drafts.shape[1]
-    index = jnp.arange(nodes)[None, :]  # [1, N]
-    first = (nodes - chain_length)[:, None]  # [B, 1]: where the chain starts
-    step = jnp.clip(index - first, 0, chain.shape[1] - 1)  # [B, N]: the chain position a grafted node holds
+    chain: int32[B, D], of which the first chain_length int32[B] (at most N) are real. The chain
+    first follows the tree down as far as the tree already holds its tokens (among the first
+    N - chain_length nodes, which stay whatever happens); the rest of it, m tokens, hangs off the
+    deepest node it reached (the root if none) and takes the tree's last m nodes. Dropping a
+    suffix of grown order drops every descendant of a dropped node with it (a child follows its
+    parent), and the deepest candidates, the least likely to be reached, go first.
+    -> drafts, parents int32[B, N]."""
+    nodes, span = drafts.shape[1], chain.shape[1]
+    index = jnp.arange(nodes)[None, :]  # [1, N]: node j, verify index j + 1
+    surely_kept = index < (nodes - chain_length)[:, None]  # [B, N]
+    at = jnp.zeros_like(chain_length)  # [B]: verify index of the deepest node the chain followed
+    followed = jnp.zeros_like(chain_length)  # [B]: chain tokens already in the tree
+    on_tree = jnp.ones(chain_length.shape, bool)
+    for i in range(span):
+        holds = (parents == at[:, None]) & (drafts == chain[:, i:i + 1]) & surely_kept  # [B, N]
+        found = on_tree & (i < chain_length) & jnp.any(holds, axis=1)
+        at = jnp.where(found, jnp.argmax(holds, axis=1).astype(at.dtype) + 1, at)
+        followed = followed + found
+        on_tree = found
+    first = (nodes - (chain_length - followed))[:, None]  # [B, 1]: where the new chain nodes start
+    step = jnp.clip(followed[:, None] + index - first, 0, span - 1)  # [B, N]: the chain token a new node holds
     grafted = index >= first
-    chain_parents = jnp.where(index == first, 0, index)  # node j's verify index is j + 1: its predecessor's is j
+    chain_parents = jnp.where(index == first, at[:, None], index)  # node j's predecessor has verify index j
     return (jnp.where(grafted, jnp.take_along_axis(chain, step, axis=1), drafts),
             jnp.where(grafted, chain_parents, parents))
 
