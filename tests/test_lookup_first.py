@@ -18,13 +18,16 @@ import numpy as np
 import pytest
 
 import jaxspec
+from jaxspec import checkpoints
 from jaxspec.errors import InvalidRequestError
+from jaxspec.models import eagle3
 from jaxspec.spec import lookup_first
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.proposers import Context, Proposal, PromptLookup
 from tests.conftest import assert_plain_greedy
 from tests.test_assistant import small as small_gemma  # noqa: F401 (fixture)
-from tests.test_cli import assert_one_line_error, run
+from tests.test_cli import assert_one_line_error, run, stats_lines, tiny, tiny_cache  # noqa: F401 (fixtures)
+from tests.test_eagle3 import HEAD
 from tests.test_spec import PROMPTS
 from tests.test_spec_sampling import (SIGNIFICANCE, assert_broken_run_detected, chi_square_p_value,
                                       exact_joint, sampled_joint, small_eagle3_head)
@@ -199,6 +202,23 @@ def test_a_draft_model_behind_a_lookup_is_refused_when_inferred(tiny_model):
     """The method inferred from draft_params is checked too, before anything compiles."""
     with pytest.raises(InvalidRequestError, match="KV cache follows its own drafts"):
         jaxspec.generate(tiny_model, tiny_model, PROMPTS[0], max_new_tokens=4, lookup_first=2)
+
+
+def test_the_cli_drafts_lookup_first_and_says_so(tiny, tiny_cache, tmp_path, capsys):
+    """--lookup-first reaches the request: the CLI prints generate()'s text and a stats line
+    naming the drafter as eagle3+lookup2."""
+    model = jaxspec.load(str(tiny["gguf"]))
+    cfg = dataclasses.replace(HEAD, dim=model.config.dim, vocab_size=model.config.vocab_size,
+                              aux_layer_ids=(0, 1, 1))
+    checkpoints.save_eagle3(tmp_path, cfg, eagle3.init_params(cfg, jax.random.PRNGKey(4), scale=0.2))
+    prompt = "tok1tok2tok1tok2"
+    expected = jaxspec.generate(model, jaxspec.load(str(tmp_path)), prompt, max_new_tokens=12, lookup_first=2)
+    code, out, err = run(capsys, "generate", prompt, "--no-chat", "--max-new-tokens", "12", "--model",
+                         str(tiny["gguf"]), "--draft", str(tmp_path), "--lookup-first", "2")
+    assert code == 0, err
+    assert out == expected.text[0]
+    [line] = stats_lines(err)
+    assert "eagle3+lookup2 k=4: tau " in line
 
 
 def test_the_cli_names_the_flag(capsys):
