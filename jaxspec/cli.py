@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "expanded per node, and the nodes verified per round (e.g. 4,4,16)")
     gen.add_argument("--lookup-first", type=int, default=None, metavar="N",
                      help="with eagle3, mtp or assistant: rows whose last N tokens occurred earlier in their context "
-                          "draft prompt lookup's continuation instead of the head's (N = 2 or 3 suits most text)")
+                          "draft prompt lookup's continuation instead of the head's (N = 2 suits chains, 1 trees)")
     gen.add_argument("--draft-sampling", choices=DRAFT_SAMPLING, default=None,
                      help="at temperature > 0: drafts sampled from the draft's distribution (default) or its argmax")
     gen.add_argument("--kv-format", default=None, help="the target's KV cache: f32 (default), bf16, q8_0, q5_1, "

@@ -10,8 +10,9 @@ replaces the head's draft (docs/design.md).
 `LookupFirst` runs both every round and decides per row, with `jnp.where`s: in a chain, a row
 whose last n tokens (n >= the lookup's `ngram_min`) occurred earlier in its context drafts the
 lookup's continuation, every other row the model's. Under a tree, such a row keeps the model's
-tree but for its last nodes, which carry the lookup's continuation as a chain off the root
-(`tree.graft_chain`): the head's best guesses stay beside the copy. Both are computed for every
+tree and grafts the continuation onto it (`tree.graft_chain`: down the tree as far as the tree
+holds its tokens, the rest in place of the tree's last nodes): the head's best guesses stay
+beside the copy. Both are computed for every
 row: the loop stays one program, and the head costs a small part of the target's verify.
 
 Only a drafter whose state follows the verified tokens alone can stand behind the lookup: a
@@ -83,7 +84,7 @@ class LookupFirst:
         looked, _ = self.lookup.propose(None, None, context)
         drafted, state = self.model.propose(draft_params, state, context)
         if drafted.parents is not None:  # a tree: the lookup's chain in place of its last nodes
-            # At most depth <= num_nodes chain nodes (DraftTree), so every row keeps its root's best child.
+            # num_proposed <= depth <= num_nodes (DraftTree): the chain always fits.
             drafts, parents = tree_lib.graft_chain(drafted.drafts, drafted.parents, looked.drafts, looked.num_proposed)
             return drafted.replace(drafts=drafts, parents=parents), state
         use_lookup = looked.num_proposed > 0  # [B]: the row's context repeats its last n tokens

@@ -11,9 +11,10 @@ the proposal's `drafts[:, v - 1]`. Every row has the same N (fixed shapes) and g
 Node v sits in cache slot `length + v` with RoPE position `length + depth(v)`, and attends to
 the committed context and to its ancestors and itself (`ancestor_mask`, `verify_mask`). Siblings
 grown by a drafter carry distinct tokens; a lookup chain grafted onto the tree (`graft_chain`)
-may rarely repeat one (a sibling among the nodes it replaced may survive), which both acceptance rules allow for: greedy keeps the deepest matching path, whose
-tokens are plain greedy's whichever copy it runs through, and sampling tries a repeated token
-only after its first copy was rejected, with that token's p already removed, so never keeps it.
+may rarely repeat one (a sibling it did not follow may survive the graft). Both acceptance rules
+allow for that: greedy keeps the deepest matching path, whose tokens are plain greedy's whichever
+copy it runs through, and sampling tries a repeated token only after its first copy was
+rejected, with that token's p already removed, so never keeps it.
 
 Acceptance walks down from the root. Greedy (`greedy_accept`) takes the longest root-to-node path
 whose every token is the target's argmax at its parent: at most one child per node can match, so
