@@ -1,11 +1,12 @@
 """Lookup-first drafting (`lookup_first=n`, jaxspec.spec.lookup_first): prompt lookup's drafts in
 rows whose context repeats its last n tokens, the model drafter's elsewhere.
 
-The selection itself against a stand-in drafter (which rows, which q); then greedy output equals
-plain greedy for each drafter that can stand behind a lookup (EAGLE-3 chains and trees, MTP, the
-shared-KV assistant), sampled output is lossless against exact enumeration, and a selection
-that keeps the head's q for the lookup's drafts fails that same test. Requests the pairing
-cannot serve are refused before anything compiles.
+The selection itself against a stand-in drafter (which rows, which q) and the graft of a chain
+onto a tree (what it follows, which nodes it takes); then greedy output equals plain greedy for
+each drafter that can stand behind a lookup (EAGLE-3 chains and trees, MTP, the shared-KV
+assistant), through the CLI too; sampled chains and trees are lossless against exact
+enumeration, and a selection that keeps the head's q for the lookup's drafts fails that same
+test. Requests the pairing cannot serve are refused before anything compiles.
 """
 
 from __future__ import annotations
