@@ -22,7 +22,7 @@ and fails the run). Per head and group, the table also gives the share of plain 
 outside an EAGLE-3 head's draft vocabulary: the head can never propose them, so at those
 positions its acceptance is 0 whatever it learned.
 
-Wall-clock: on the first `--timing-prompts` MT-bench prompts, at batch 1, plain decoding and each
+Wall-clock: on the first `--timing-prompts` prompts of `--timing-group` (MT-bench), at batch 1, plain decoding and each
 head at a chain of `--timing-k` (and each `--timing-tree` shape, and each of those again with
 each `--lookup-first` n) run back to back per prompt; the speedup is the median over prompts of the
 ratio of decode tokens/s. A head directory written by `jaxspec.cli train-head` carries its
@@ -32,7 +32,7 @@ a checkpoint (`train-head --export-head`) is reported with the steps it had, so 
 one single-pass run give the same curve against the rows seen.
 
 The table replaces the section "## EAGLE-3 heads on Spec-Bench (bench/heads.py[ --weight-format
-F])" of bench/RESULTS.md.
+F][ --timing-group G])" of bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", nargs="*", default=["4,8,16"], help="draft-tree shapes D,K,N")
     parser.add_argument("--lookup-first", type=int, nargs="*", default=[], metavar="N",
                         help="also run each setting with prompt lookup first (lookup_first=N), timed too")
-    parser.add_argument("--timing-prompts", type=int, default=3, help="MT-bench prompts timed at batch 1 (0: none)")
+    parser.add_argument("--timing-prompts", type=int, default=3, help="prompts timed at batch 1 (0: none)")
+    parser.add_argument("--timing-group", default="mt_bench", choices=GROUPS,
+                        help="the Spec-Bench group whose prompts are timed (default mt_bench)")
     parser.add_argument("--timing-k", type=int, default=4)
     parser.add_argument("--timing-tree", nargs="*", default=[], metavar="D,K,N",
                         help="also time these draft-tree shapes (each head, and with each --lookup-first)")
@@ -232,11 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     drafts += [(f"{label} +lookup{n}", dict(extra, lookup_first=n)) for label, extra in list(drafts)
                for n in args.lookup_first]
     timed = {f"{name} {label}": (head, extra) for name, head in heads.items() for label, extra in drafts}
-    speed = timing(model, timed, [p.text for p in picked["mt_bench"][: args.timing_prompts]],
+    speed = timing(model, timed, [p.text for p in picked[args.timing_group][: args.timing_prompts]],
                    args.timing_k) if args.timing_prompts else None
 
-    title = "## EAGLE-3 heads on Spec-Bench (bench/heads.py" + (
-        f" --weight-format {args.weight_format})" if args.weight_format != "f32" else ")")
+    # One section per weight format and timed group: a run timing another group keeps MT-bench's.
+    title = "## EAGLE-3 heads on Spec-Bench (bench/heads.py" + "".join(
+        f" {flag} {value}" for flag, value, default in (("--weight-format", args.weight_format, "f32"),
+                                                         ("--timing-group", args.timing_group, "mt_bench"))
+        if value != default) + ")"
     lines = [title, "",
              f"{datetime.date.today()}, {platform.machine()}, jax {jax.__version__}, SmolLM2-135M-Instruct ({args.weight_format} weights), {args.prompts} prompts per group (first turns), "
              f"{NEW_TOKENS} greedy tokens, batch = the group's prompts; " + (
@@ -257,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {name} | " + " | ".join("-" if share[g] is None else f"{share[g]:.3f}" for g in groups) + " |"
               for name, share in undraftable.items()]
     if speed is not None:
-        lines += ["", f"Wall-clock on {args.timing_prompts} MT-bench prompts, batch 1 "
+        lines += ["", f"Wall-clock on {args.timing_prompts} {args.timing_group} prompts, batch 1 "
                   f"(median ratio of decode tokens/s; plain {speed['plain']:.1f} tok/s):", "",
                   "| head, drafts | speedup over plain |", "|---|---:|"]
         lines += [f"| {name} | {speed[name]:.2f}x |" for name in timed]
