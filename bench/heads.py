@@ -176,6 +176,15 @@ def timing(model, runs: dict[str, tuple], prompts: list[str], k: int) -> dict[st
     return {"plain": statistics.median(plain_rates), **{name: statistics.median(r) for name, r in ratios.items()}}
 
 
+def section_title(weight_format: str, timing_group: str) -> str:
+    """The RESULTS.md section a run replaces: one per weight format and timed group, so a run
+    timing another group keeps MT-bench's. Flags at their defaults are left out."""
+    flags = [(flag, value) for flag, value, default in (("--weight-format", weight_format, "f32"),
+                                                        ("--timing-group", timing_group, "mt_bench"))
+             if value != default]
+    return "## EAGLE-3 heads on Spec-Bench (bench/heads.py" + "".join(f" {f} {v}" for f, v in flags) + ")"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head", action="append", default=None, metavar="NAME=PATH",
@@ -237,11 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     speed = timing(model, timed, [p.text for p in picked[args.timing_group][: args.timing_prompts]],
                    args.timing_k) if args.timing_prompts else None
 
-    # One section per weight format and timed group: a run timing another group keeps MT-bench's.
-    title = "## EAGLE-3 heads on Spec-Bench (bench/heads.py" + "".join(
-        f" {flag} {value}" for flag, value, default in (("--weight-format", args.weight_format, "f32"),
-                                                         ("--timing-group", args.timing_group, "mt_bench"))
-        if value != default) + ")"
+    title = section_title(args.weight_format, args.timing_group)
     lines = [title, "",
              f"{datetime.date.today()}, {platform.machine()}, jax {jax.__version__}, SmolLM2-135M-Instruct ({args.weight_format} weights), {args.prompts} prompts per group (first turns), "
              f"{NEW_TOKENS} greedy tokens, batch = the group's prompts; " + (

@@ -74,3 +74,13 @@ def test_heads_bench_reports_an_exported_checkpoint_with_the_steps_it_had(heads_
         assert heads_script.head_training(str(head)) == (
             "eagle3, 100 steps of 8 (a checkpoint: 100 of its run's 318), TTT 7, peak lr 0.0003")
     assert heads_script.head_training(str(tmp_path / "shipped")) == "-"
+
+
+def test_heads_sections_are_one_per_weight_format_and_timed_group(heads_script):
+    """A run timing another group, or under other weights, keeps the other sections."""
+    heads = heads_script
+    assert heads.section_title("f32", "mt_bench") == "## EAGLE-3 heads on Spec-Bench (bench/heads.py)"
+    assert heads.section_title("int8", "mt_bench") == "## EAGLE-3 heads on Spec-Bench (bench/heads.py --weight-format int8)"
+    assert heads.section_title("int8", "rag") == \
+        "## EAGLE-3 heads on Spec-Bench (bench/heads.py --weight-format int8 --timing-group rag)"
+    assert heads.section_title("f32", "rag") == "## EAGLE-3 heads on Spec-Bench (bench/heads.py --timing-group rag)"
