@@ -124,11 +124,16 @@ def small_eagle3_head(draft_vocab_size: int) -> jaxspec.Model:
     return jaxspec.Model(config=cfg, params=eagle3.init_params(cfg, jax.random.PRNGKey(2), scale=0.5))
 
 
+def small_mtp_head() -> jaxspec.Model:
+    """An MTP head whose block is SMALL (it speaks the target's ids through the target's lm_head)."""
+    cfg = mtp.MtpConfig(block=SMALL)
+    return jaxspec.Model(config=cfg, params=mtp.init_params(cfg, jax.random.PRNGKey(3)))
+
+
 HEADS = {
     # A permutation of the whole vocabulary: q must follow d2t even when the sizes agree.
     "eagle3-permuted-vocab": lambda: small_eagle3_head(SMALL.vocab_size),
-    "mtp": lambda: jaxspec.Model(config=mtp.MtpConfig(block=SMALL),
-                                 params=mtp.init_params(mtp.MtpConfig(block=SMALL), jax.random.PRNGKey(3))),
+    "mtp": small_mtp_head,
 }
 
 

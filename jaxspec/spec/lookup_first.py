@@ -12,8 +12,8 @@ whose last n tokens (n >= the lookup's `ngram_min`) occurred earlier in its cont
 lookup's continuation, every other row the model's. Under a tree, such a row keeps the model's
 tree and grafts the continuation onto it (`tree.graft_chain`: down the tree as far as the tree
 holds its tokens, the rest in place of the tree's last nodes): the head's best guesses stay
-beside the copy. Both are computed for every
-row: the loop stays one program, and the head costs a small part of the target's verify.
+beside the copy. Both are computed for every row: the loop stays one program, and the head costs
+a small part of the target's verify.
 
 Only a drafter whose state follows the verified tokens alone can stand behind the lookup: a
 feature head (EAGLE-3, MTP) rewrites its cache from the target's features of whatever was

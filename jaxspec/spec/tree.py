@@ -17,8 +17,8 @@ copy it runs through, and sampling tries a repeated token only after its first c
 rejected, with that token's p already removed, so never keeps it.
 
 Acceptance walks down from the root. Greedy (`greedy_accept`) takes the longest root-to-node path
-whose every token is the target's argmax at its parent: at most one child per node can match, so
-that path is unique and its tokens are exactly plain greedy's. Sampling (`rejection_sample`) is
+whose every token is the target's argmax at its parent: only children carrying that one token can
+match (one, but for a grafted repeat), so the path's tokens are exactly plain greedy's. Sampling (`rejection_sample`) is
 multi-draft verification for point-mass drafts (SpecInfer, EAGLE's `evaluate_posterior`): at the
 current node with target distribution p, its children x_1, x_2, ... are tried in order, x_j
 accepted with probability p'(x_j) where p' is p with the siblings already rejected removed and
