@@ -301,10 +301,22 @@ def gemma3_270m():
 def test_gemma3_270m_matches_transformers_reading_the_same_gguf(gemma3_270m):
     """600 tokens (past the 512-token window): logits equal transformers' own GGUF load."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     path = resolve.gemma3_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    # Gemma-3-270M's published config (the values transformers reads from this GGUF), given so
+    # that transformers parses the file once, for its tensors: each parse of the 262,144-token
+    # vocabulary's metadata takes ~30 s here, and reading the config would be a second one.
+    hf_config = Gemma3TextConfig(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768,
+        rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
+        query_pre_attn_scalar=256, sliding_window=512, final_logit_softcapping=None, attn_logit_softcapping=None,
+        layer_types=[("full_attention" if i % 6 == 5 else "sliding_attention") for i in range(18)])
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=hf_config,
+                                              dtype=torch.float32).eval()
     text = "def fibonacci(n):\n    '''Return the n-th Fibonacci number.'''\n    return n if n < 2 else fib(n - 1)\n"
     ids = gemma3_270m.tokenizer.encode(text * 40)[:600]
     keep = torch.tensor([0, 100, 300, 511, 512, 513, 599])
