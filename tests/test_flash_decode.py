@@ -276,8 +276,7 @@ def test_native_kernel_with_a_tree_mask_lowers_to_triton_for_cuda(group, steps):
 def test_attention_switch():
     assert resolve_attention("reference") is Attention.REFERENCE
     assert resolve_attention("interpret") is Attention.INTERPRET
-    expected_auto = Attention.PALLAS if jax.default_backend() == "gpu" else Attention.REFERENCE
-    assert resolve_attention("auto") is expected_auto
+    assert resolve_attention("auto") is Attention.REFERENCE  # on a GPU too: the kernel was slower there
     with pytest.raises(InvalidRequestError, match="unknown attention 'fast'"):
         resolve_attention("fast")
 

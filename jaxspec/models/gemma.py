@@ -383,7 +383,7 @@ def attention_layer(weights: AttentionParams, spec: GemmaAttention, cfg: GemmaCo
         k = apply_rope(rms_norm(raw, weights.k_norm, cfg.norm_eps, axis=1), cos, sin, spec.rotary_dim)
         if cfg.generation == 4:  # V normalised per head, no weight
             v = rms_norm(v, np.ones((H,), np.float32), cfg.norm_eps, axis=1)
-        quantize = quantize_for(attention, H, keys.shape[2])
+        quantize = quantize_for(attention)
         keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
         values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
     q = jnp.transpose(q.reshape(K, G, H, batch, steps), (3, 4, 0, 1, 2))  # [B, T, K, G, H]

@@ -312,7 +312,7 @@ def self_attention(
         # The new keys/values land at each row's own offset (quantized on the way in for a block
         # format); attention then reads them back from the cache like every other slot, so a T = 1
         # and a T = k+1 forward see the same stored values.
-        quantize = quantize_for(attention, H, keys.shape[2])
+        quantize = quantize_for(attention)
         keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
         values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
         out = attend(q, keys, values, offsets, mask=tree_mask, attention=attention)  # [B, T, K, G, H]

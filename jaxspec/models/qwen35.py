@@ -202,7 +202,7 @@ def forward(
     final norm), each [B, T, D].
     delta_rule: the form of the delta rule; default recurrent for T <= cfg.recorded_steps (every
     state recorded), chunked above. attention: the attention layers' path, as in llama.py
-    (Pallas kernel on GPU, XLA reference elsewhere). The cache comes back with K/V written and
+    ("auto" is the XLA reference). The cache comes back with K/V written and
     the DeltaNet states pending, `length` unchanged: commit with `advance` / `set_length`.
     """
     _check_params(params, cfg)

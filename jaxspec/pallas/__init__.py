@@ -4,8 +4,9 @@
     kv_quant.py      KV storage formats (f32, bf16, ggml q8_0 / q5_1) and quantize-on-write
     int8_matmul.py   W8A16 matmul: int8 weights, per-channel scales, bf16 activations, float32 sums
 
-`Attention` and `int8_matmul.Implementation` are the switches: "auto" runs the kernel on GPU and
-the XLA reference elsewhere (`attend`, `w8a16_matmul`). The kernel functions live in their modules
+`Attention` and `int8_matmul.Implementation` are the switches (`attend`, `w8a16_matmul`): for
+attention "auto" is the XLA reference everywhere (the kernel was slower on an H200) and "pallas"
+the kernel; for the matmul "auto" runs the kernel on GPU and the reference elsewhere. The kernel functions live in their modules
 (`flash_decode.flash_decode`, `kv_quant.quantize`, `int8_matmul.w8a16_matmul_pallas`); the
 package does not re-export `flash_decode`, which would shadow its module.
 """

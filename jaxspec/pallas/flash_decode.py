@@ -22,8 +22,9 @@ program's query rows; inside, a block of slots picks each slot's word with a sta
 W words (selects, no gather) and shifts its bit out. The walk then stops at the window's end,
 start + M. Without a mask the kernel is compiled without any of this (the causal rule above).
 
-The switch `Attention` picks between them: AUTO is the kernel on GPU and the reference elsewhere
-(interpret mode is for tests, not speed).
+The switch `Attention` picks between them: AUTO is the reference on every backend (the kernel,
+untuned on a GPU, was slower there: `resolve_attention`); PALLAS runs the kernel on a GPU and
+INTERPRET in the Pallas interpreter (for tests, not speed).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ PREFILL_QUERY_BLOCK = 128
 
 
 class Attention(Choice):
-    AUTO = "auto"  # the kernel on GPU, the XLA reference elsewhere
+    AUTO = "auto"  # the XLA reference (the kernel only when asked for: resolve_attention)
     REFERENCE = "reference"  # flash_decode_reference (XLA)
     PALLAS = "pallas"  # the Pallas kernel, compiled natively (GPU)
     INTERPRET = "interpret"  # the Pallas kernel in the Pallas interpreter (tests on CPU)
@@ -122,11 +123,16 @@ def mask_visible(mask: TreeMask | None, lengths: jax.Array, steps: int, slots: j
 
 
 def resolve_attention(attention: Attention | str) -> Attention:
-    """AUTO -> PALLAS on GPU, REFERENCE elsewhere; PALLAS off a GPU is an error."""
+    """AUTO -> REFERENCE on every backend; PALLAS (asked for by name) off a GPU is an error.
+
+    Why not the kernel on a GPU: on an H200 (bench/RESULTS.md, "Pallas kernels on a GPU") it was
+    exact but 2.3-6.6x slower than XLA's own attention over full rows (B=8, S=8192, every K/V
+    format): its blocking was never tuned on a GPU. It stays one argument away for ragged rows,
+    where it skips empty blocks, and for tuning."""
     attention = Attention.parse(attention)
     backend = jax.default_backend()
     if attention is Attention.AUTO:
-        return Attention.PALLAS if backend == "gpu" else Attention.REFERENCE
+        return Attention.REFERENCE
     if attention is Attention.PALLAS and backend != "gpu":
         kv_quant.check_backend(False, "attention='pallas'")
     return attention
@@ -464,15 +470,6 @@ def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array,
                                 split_size=split_size, interpret=interpret)
 
 
-def _path(attention: Attention | str, head_dim: int, capacity: int) -> Attention:
-    """REFERENCE, PALLAS or INTERPRET; AUTO takes the kernel only for shapes it supports."""
-    requested = Attention.parse(attention)
-    resolved = resolve_attention(requested)
-    if resolved is Attention.PALLAS and requested is Attention.AUTO and not kernel_supports(head_dim, capacity):
-        return Attention.REFERENCE  # an explicit "pallas" goes on and says what does not fit
-    return resolved
-
-
 def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, mask: TreeMask | None = None,
            window: int | None = None, query_positions: jax.Array | None = None, scale: float | None = None,
            attention: Attention | str = Attention.AUTO) -> jax.Array:
@@ -481,7 +478,7 @@ def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, ma
     Any path takes the reference for prefill-sized T (G*T > MAX_KERNEL_QUERIES), and for a
     sliding window (`mask_visible`), which the kernel does not take yet (Gemma's local layers run
     on the reference; its global layers, with their own `scale`, on the kernel)."""
-    path = _path(attention, q.shape[-1], _logical_shape(keys)[2])
+    path = resolve_attention(attention)
     if q.shape[1] * q.shape[3] > MAX_KERNEL_QUERIES:
         path = Attention.REFERENCE
     if window is not None:
@@ -495,9 +492,10 @@ def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, ma
     return flash_decode_reference(q, keys, values, lengths, mask=mask, scale=scale)
 
 
-def quantize_for(attention: Attention | str, head_dim: int, capacity: int):
-    """The quantize-on-write op on the same path as `attend` (kernel on GPU, jnp elsewhere)."""
-    path = _path(attention, head_dim, capacity)
+def quantize_for(attention: Attention | str):
+    """The quantize-on-write op on the same path as `attend` (the kernel when "pallas" or
+    "interpret" is asked for, jnp otherwise)."""
+    path = resolve_attention(attention)
     if path is Attention.PALLAS:
         return kv_quant.quantize
     if path is Attention.INTERPRET:
