@@ -301,8 +301,9 @@ def test_sliding_window_head_refuses_contexts_past_its_window(mellum_dir, tmp_pa
     head = jaxspec.load_mtp(edited)
     assert head.config.block.max_position_embeddings == 24
     assert head.config.block.rope_theta == 10000.0  # the sliding layers' own RoPE
-    with pytest.raises(jaxspec.InvalidRequestError, match="exceeds the MTP head's context of 24"):
-        jaxspec.generate(target, head, PROMPTS[0], max_new_tokens=20)
+    for lookup_first in (None, 2):  # the bound is the head's, also with a prompt lookup in front of it
+        with pytest.raises(jaxspec.InvalidRequestError, match="exceeds the MTP head's context of 24"):
+            jaxspec.generate(target, head, PROMPTS[0], max_new_tokens=20, lookup_first=lookup_first)
 
 
 def test_mtp_head_of_another_model_is_refused(target):

@@ -71,6 +71,10 @@ class LookupFirst:
     def target_hidden_layers(self) -> tuple[int, ...]:
         return self.model.target_hidden_layers
 
+    @property
+    def context_limit(self) -> tuple[str, int] | None:
+        return getattr(self.model, "context_limit", None)
+
     def draft_inputs(self, target_params, draft_model_params):
         return self.model.draft_inputs(target_params, draft_model_params)
 

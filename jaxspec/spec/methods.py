@@ -96,10 +96,8 @@ class Speculation:
     def context_limits(self, target: Model) -> list[tuple[str, int]]:
         """(whose, tokens) pairs a prompt + max_new_tokens + k must fit in."""
         limits = [("model's", target.config.max_position_embeddings)]
-        drafter = self.proposer.model if isinstance(self.proposer, LookupFirst) else self.proposer
-        if isinstance(drafter, proposers.Mtp):  # a sliding-window MTP block serves up to its window
-            limits.append(("MTP head's", drafter.config.block.max_position_embeddings))
-        return limits
+        drafter_limit = getattr(self.proposer, "context_limit", None)  # proposers.py: a drafter's own bound
+        return limits + ([drafter_limit] if drafter_limit else [])
 
 
 def _samples_drafts(sampler: SamplerSpec, options: DraftOptions) -> bool:

@@ -12,7 +12,9 @@ the jitted program receives (a draft trunk's params; a head's params beside the 
 embedding it reads), and a static `target_hidden_layers`: the trunk's residual streams the proposer needs (EAGLE-3's
 aux layers), returned by the prefill and every verify forward, so no second target forward.
 A proposer whose rows may propose nothing (prompt lookup without a match) sets `can_abstain`:
-the loop then runs a plain T = 1 step in rounds where no running row has a draft.
+the loop then runs a plain T = 1 step in rounds where no running row has a draft. One whose
+model serves fewer positions than the target names that bound in `context_limit` (whose, tokens),
+which the request's length is checked against before anything compiles.
 
 `context` is the loop's token history: `tokens` int32[B, S] holds each row's prompt and committed
 tokens, `length` int32[B] how many (the last one is the pending token the target has not run);
@@ -506,6 +508,11 @@ class Mtp(_FeatureHead):
     @property
     def target_hidden_layers(self) -> tuple[int, ...]:
         return (self.target_layers,)
+
+    @property
+    def context_limit(self) -> tuple[str, int]:
+        """A sliding-window MTP block serves up to its window."""
+        return ("MTP head's", self.config.block.max_position_embeddings)
 
     @property
     def vocab_size(self) -> int:
