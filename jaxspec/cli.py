@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--soft-labels", action="store_true",
                       help="learn the target's distribution over the draft vocabulary, not its argmax "
                            "(recomputes the target every step: no feature cache)")
+    head.add_argument("--labels", choices=("target", "text"), default="target",
+                      help="each position's label: the target's argmax (default), or the row's next token: for a "
+                           "corpus the target wrote greedily in the --weight-format trained for (a feature pass "
+                           "rounds differently from decoding under int8)")
     head.add_argument("--no-feature-cache", action="store_true",
                       help="recompute the target's features every step instead of caching them once on disk")
     head.add_argument("--feature-cache", default=None,
@@ -383,7 +387,7 @@ def _train_head(args) -> int:
     config = None if args.resume else train.TrainConfig(
         method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
         warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, soft_labels=args.soft_labels,
-        cache_features=not (args.no_feature_cache or args.soft_labels),
+        labels=args.labels, cache_features=not (args.no_feature_cache or args.soft_labels),
         draft_vocab_size=args.draft_vocab_size, draft_vocab_coverage=args.draft_vocab_coverage,
         mtp_block_from_last_layer=not args.mtp_random_block, bucket_width=args.bucket_width,
         init_from=args.init_from, keep_init_vocab=args.keep_draft_vocab, compute_dtype=args.compute_dtype,

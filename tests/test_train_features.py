@@ -161,6 +161,48 @@ def test_batches_cut_to_their_bucket_width_score_as_the_whole_window(toy, tmp_pa
     assert cache.labels[0].shape[1] == 16 < SEQ_LEN
 
 
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "fresh"])
+def test_text_labels_are_each_rows_next_token(toy, tmp_path, cache):
+    """labels="text": each position's label is the row's next token, read from the feature cache
+    or a fresh target pass alike; the default stays the target's argmax. On answers the toy did not
+    write (random tokens), the two part at every loss position whose next token is not the
+    successor."""
+    from jaxspec.train.config import StepSpec
+    from jaxspec.train.run import _head_setup
+
+    target, _, _, data = toy
+    rng = np.random.default_rng(3)
+    in_answer = (np.arange(data.seq_len)[None] >= data.prompt_lengths[:, None]) & \
+        (np.arange(data.seq_len)[None] < data.lengths[:, None])
+    tokens = np.where(in_answer, rng.integers(0, CYCLE, data.tokens.shape), data.tokens).astype(np.int32)
+    written = train.Dataset(tokens, data.lengths, data.prompt_lengths)
+    rows = np.asarray([0, 9, -1, 21])
+    labels = {}
+    for source in ("target", "text"):
+        cfg = train.TrainConfig(draft_vocab_size=96, cache_features=cache, labels=source)
+        head_cfg, hidden, vocab = _head_setup(target, written, cfg)
+        spec = StepSpec(train=cfg, target_cfg=TOY, head_cfg=head_cfg, hidden_layers=hidden)
+        frozen = {"embed": target.params.embed, "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
+                  "target_to_draft": jnp.asarray(vocab.target_to_draft)}
+        targets_for = train.target_source(target, written, frozen, spec, tmp_path / f"features_{source}", progress=False)
+        batch = targets_for(rows, SEQ_LEN)
+        labels[source], mask = np.asarray(batch["labels"]), np.asarray(batch["loss_mask"])
+    batch_tokens = np.asarray(written.batch(rows)["tokens"])
+    kept = rows >= 0  # an empty row's labels are the cache's zeros or its padding's successor: no loss either way
+    np.testing.assert_array_equal(labels["target"][kept], (batch_tokens[kept] + 1) % CYCLE)  # the toy's argmax
+    np.testing.assert_array_equal(labels["text"][:, :-1], batch_tokens[:, 1:])
+    assert not mask[:, -1].any()  # the last position's next token is past the batch: never a loss position
+    differs = mask & (labels["text"] != labels["target"])
+    assert differs.sum() > 0.8 * mask[:, :-1].sum()  # random answers: the labels part where the loss is
+
+
+def test_text_labels_refuse_soft_labels_and_unknown_sources():
+    with pytest.raises(jaxspec.InvalidRequestError, match="labels must be one of"):
+        train.TrainConfig(labels="teacher")
+    with pytest.raises(jaxspec.InvalidRequestError, match="soft_labels learn the target's distribution"):
+        train.TrainConfig(soft_labels=True, cache_features=False, labels="text")
+
+
 def test_batch_order_covers_each_row_once_an_epoch_at_its_width():
     lengths = np.random.default_rng(2).integers(1, 100, 37)
     widths = train.bucket_widths(lengths, 16, 96)

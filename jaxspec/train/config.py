@@ -21,6 +21,7 @@ from jaxspec.errors import InvalidRequestError
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+LABEL_SOURCES = ("target", "text")  # TrainConfig.labels
 
 
 class Method(enum.Enum):
@@ -43,6 +44,14 @@ class TrainConfig:
     ttt_steps: int = 3  # unrolled head steps (the training-time test); 1 = plain teacher forcing
     step_decay: float = 0.8  # step j's loss weight is step_decay ** j
     soft_labels: bool = False  # cross-entropy against the target's distribution over the draft vocab
+    # Each position's hard label: "target", the target's own argmax there (computed by the feature
+    # pass); or "text", the row's next token. "text" suits a corpus the target wrote greedily in the
+    # weight format the head is trained for (jaxspec's corpus: int8): that text is what the target's
+    # decode and verify steps produce, while the feature pass runs a row as one long forward that
+    # rounds differently under int8 (its argmax left the corpus's own int8 answers at 2-5% of their
+    # tokens, where the decode path reproduced every token). On other text it trains toward the
+    # text, as EAGLE-1 trained on ShareGPT's. Not read by the compiled step.
+    labels: str = "target"
     cache_features: bool = True  # the target runs once per row into a FeatureCache, not once per step
     draft_vocab_size: int | None = None  # EAGLE-3; None = the target's vocabulary (or by coverage)
     # EAGLE-3: the smallest draft vocabulary (a multiple of 256) whose tokens make up at least this
@@ -112,6 +121,11 @@ class TrainConfig:
             raise InvalidRequestError(
                 "soft_labels needs the target's whole distribution at every step, which the feature cache "
                 "does not keep: set cache_features=False (--no-feature-cache) with soft labels")
+        if self.labels not in LABEL_SOURCES:
+            raise InvalidRequestError(f"labels must be one of {list(LABEL_SOURCES)}; got {self.labels!r}")
+        if self.soft_labels and self.labels != "target":
+            raise InvalidRequestError("soft_labels learn the target's distribution; labels='text' replaces the "
+                                      "target's argmax with the text's next token: choose one")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
             raise InvalidRequestError(f"init_from must be a head's name or directory; got {self.init_from!r}")
         if self.keep_init_vocab and (self.init_from is None or self.method is not Method.EAGLE3):

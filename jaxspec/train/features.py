@@ -239,6 +239,15 @@ def _targets(target_params: Any, frozen: Frozen, batch: dict[str, jax.Array], sp
     return target_batch(target_params, spec.target_cfg, spec.hidden_layers, batch, draft_ids)
 
 
+def _labelled(targets: dict[str, Any], tokens: jax.Array, spec: StepSpec) -> dict[str, Any]:
+    """`targets` with the labels `TrainConfig.labels` asks for: the target's argmax as computed,
+    or each position's next token in the row (the last position's next is beyond the batch; the
+    loss mask never holds it)."""
+    if spec.train.labels == "text":
+        return {**targets, "labels": jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))}  # [B, W]
+    return targets
+
+
 def target_source(target: Model, data: Dataset, frozen: Frozen, spec: StepSpec, feature_dir: pathlib.Path,
                   progress: bool):
     """`targets_for(rows, width)`: the target's half of the batch of data rows `rows` (-1: an
@@ -246,7 +255,11 @@ def target_source(target: Model, data: Dataset, frozen: Frozen, spec: StepSpec, 
     recomputed by a target forward."""
     cfg = spec.train
     if not cfg.cache_features:
-        return lambda rows, width: _targets(target.params, frozen, data.batch(rows, width), spec)
+        def computed_for(rows, width):
+            batch = data.batch(rows, width)
+            return _labelled(_targets(target.params, frozen, batch, spec), batch["tokens"], spec)
+
+        return computed_for
     # The cache also keeps the final-normed stream (layer L, an MTP head's input), which the
     # forward computes anyway: an EAGLE-3 run's cache then serves an MTP run on the same data.
     layers = tuple(dict.fromkeys(spec.hidden_layers + (target.config.num_layers,)))
@@ -255,8 +268,8 @@ def target_source(target: Model, data: Dataset, frozen: Frozen, spec: StepSpec, 
     def targets_for(rows, width):
         batch = data.batch(rows, width)
         features, labels = cache.rows(rows, spec.hidden_layers, width)  # [B, F, W, D], [B, W]
-        return {"tokens": batch["tokens"], "features": tuple(jnp.asarray(features[:, i]) for i in range(features.shape[1])),
-                "labels": jnp.asarray(labels),
-                "loss_mask": batch["loss_mask"]}
+        return _labelled({"tokens": batch["tokens"],
+                          "features": tuple(jnp.asarray(features[:, i]) for i in range(features.shape[1])),
+                          "labels": jnp.asarray(labels), "loss_mask": batch["loss_mask"]}, batch["tokens"], spec)
 
     return targets_for
