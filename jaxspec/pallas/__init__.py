@@ -6,9 +6,10 @@
 
 `Attention` and `int8_matmul.Implementation` are the switches (`attend`, `w8a16_matmul`): for
 attention "auto" is the XLA reference everywhere (the kernel was slower on an H200) and "pallas"
-the kernel; for the matmul "auto" runs the kernel on GPU and the reference elsewhere. The kernel functions live in their modules
-(`flash_decode.flash_decode`, `kv_quant.quantize`, `int8_matmul.w8a16_matmul_pallas`); the
-package does not re-export `flash_decode`, which would shadow its module.
+the kernel; for the matmul "auto" runs the kernel on GPU and the reference elsewhere. The kernel
+functions live in their modules (`flash_decode.flash_decode`, `kv_quant.quantize`,
+`int8_matmul.w8a16_matmul_pallas`); the package does not re-export `flash_decode`, which would
+shadow its module.
 """
 
 from jaxspec.pallas import flash_decode, int8_matmul, kv_quant

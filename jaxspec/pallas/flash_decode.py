@@ -477,7 +477,7 @@ def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, ma
 
     Any path takes the reference for prefill-sized T (G*T > MAX_KERNEL_QUERIES), and for a
     sliding window (`mask_visible`), which the kernel does not take yet (Gemma's local layers run
-    on the reference; its global layers, with their own `scale`, on the kernel)."""
+    on the reference; its global layers, with their own `scale`, on the kernel when asked for)."""
     path = resolve_attention(attention)
     if q.shape[1] * q.shape[3] > MAX_KERNEL_QUERIES:
         path = Attention.REFERENCE
