@@ -84,3 +84,29 @@ def test_heads_sections_are_one_per_weight_format_and_timed_group(heads_script):
     assert heads.section_title("int8", "rag") == \
         "## EAGLE-3 heads on Spec-Bench (bench/heads.py --weight-format int8 --timing-group rag)"
     assert heads.section_title("f32", "rag") == "## EAGLE-3 heads on Spec-Bench (bench/heads.py --timing-group rag)"
+
+
+def test_int8_labels_bench_finds_the_rows_decoding_writes_again(tiny_model, tmp_path):
+    """bench/int8_labels.py on the tiny model: rows that are its own int8 greedy text are written
+    again whole, a row with one answer token changed is not, and the argmax shares are fractions."""
+    import jaxspec
+    import numpy as np
+
+    bench = load_bench_script("int8_labels")
+    int8 = jaxspec.convert_weights(tiny_model, "int8")
+    prompts = [[5, 9, 17, 33], [7, 7, 8], [40, 41, 42, 43, 44], [60, 2, 99]]
+    answers = jaxspec.generate(int8, None, prompts, max_new_tokens=12, ignore_eos=True).tokens
+    width = 24
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        tokens[i, : len(prompt) + 12] = prompt + list(answer)
+    tokens[3, len(prompts[3]) + 5] = (tokens[3, len(prompts[3]) + 5] + 1) % tiny_model.config.vocab_size  # not its text
+    prompt_lengths = np.asarray([len(p) for p in prompts], np.int32)
+    path = tmp_path / "dataset.npz"
+    np.savez(path, tokens=tokens, lengths=prompt_lengths + 12, prompt_lengths=prompt_lengths,
+             turns=np.ones(len(prompts), np.int32))
+    result = bench.measure(path, 4, (10, 12), {"int8": int8, "f32": tiny_model})
+    assert (result["rows"], result["whole"], result["answer_tokens"]) == (4, 3, 4 * 12)
+    assert 0.5 < result["int8"] <= 1 and 0.5 < result["f32"] <= 1
+    with pytest.raises(SystemExit, match="only 4 single-turn rows"):
+        bench.pick_rows(dict(np.load(path)), 5, (10, 12))
