@@ -25,11 +25,11 @@ positions its acceptance is 0 whatever it learned.
 Wall-clock: on the first `--timing-prompts` prompts of `--timing-group` (default mt_bench), at
 batch 1, plain decoding and each head at a chain of `--timing-k` (and each `--timing-tree` shape,
 and each of those again with each `--lookup-first` n) run back to back per prompt; the speedup is
-the median over prompts of the ratio of decode tokens/s. A head directory written by `jaxspec.cli train-head` carries its
-training data (train_data.npz): its rows and assistant tokens are reported beside it, so a table
-of heads trained on growing data is the acceptance curve against data size. A head exported from
-a checkpoint (`train-head --export-head`) is reported with the steps it had, so the heads along
-one single-pass run give the same curve against the rows seen.
+the median over prompts of the ratio of decode tokens/s. A head directory written by `jaxspec.cli
+train-head` carries its training data (train_data.npz): its rows and assistant tokens are reported
+beside it, so a table of heads trained on growing data is the acceptance curve against data size. A
+head exported from a checkpoint (`train-head --export-head`) is reported with the steps it had, so
+the heads along one single-pass run give the same curve against the rows seen.
 
 The table replaces the section "## EAGLE-3 heads on Spec-Bench (bench/heads.py[ --weight-format
 F][ --timing-group G])" of bench/RESULTS.md.

@@ -119,14 +119,24 @@ def test_a_cache_serves_any_data_holding_its_rows(toy, tmp_path):
         np.testing.assert_allclose(features[:, i], feature, rtol=2 ** -11, atol=1e-6)
 
 
+def _targets_for(target, data, cfg, feature_dir):
+    """(targets_for, spec, frozen, draft vocabulary) for a run of `cfg` on `data`, set up as `train`
+    sets them up."""
+    from jaxspec.train.config import StepSpec
+    from jaxspec.train.run import _head_setup
+
+    head_cfg, hidden, vocab = _head_setup(target, data, cfg)
+    spec = StepSpec(train=cfg, target_cfg=TOY, head_cfg=head_cfg, hidden_layers=hidden)
+    frozen = {"embed": target.params.embed, "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
+              "target_to_draft": jnp.asarray(vocab.target_to_draft)}
+    return train.target_source(target, data, frozen, spec, feature_dir, progress=False), spec, frozen, vocab
+
+
 def test_batches_cut_to_their_bucket_width_score_as_the_whole_window(toy, tmp_path):
     """Rows of like length batched at their bucket's width (BatchOrder, length_batches) lose
     nothing: padding past a row's end never reaches its positions, so the validation loss and
     top-1 over bucketed batches equal those over full-window batches, from a fresh target pass
     and from the length-ordered feature cache alike."""
-    from jaxspec.train.config import StepSpec
-    from jaxspec.train.run import _head_setup
-
     target, _, _, data = toy
     rng = np.random.default_rng(1)
     lengths = np.minimum(data.lengths, data.prompt_lengths + rng.integers(2, 20, len(data))).astype(np.int32)
@@ -141,12 +151,8 @@ def test_batches_cut_to_their_bucket_width_score_as_the_whole_window(toy, tmp_pa
     results = []
     for cache in (False, True):
         cfg = train.TrainConfig(draft_vocab_size=96, bucket_width=8, cache_features=cache)
-        head_cfg, hidden, vocab = _head_setup(target, short, cfg)
-        spec = StepSpec(train=cfg, target_cfg=TOY, head_cfg=head_cfg, hidden_layers=hidden)
-        frozen = {"embed": target.params.embed, "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
-                  "target_to_draft": jnp.asarray(vocab.target_to_draft)}
-        params = train.init_head(cfg.method, head_cfg, target, vocab, 0)
-        targets_for = train.target_source(target, short, frozen, spec, tmp_path / "features", progress=False)
+        targets_for, spec, frozen, vocab = _targets_for(target, short, cfg, tmp_path / "features")
+        params = train.init_head(cfg.method, spec.head_cfg, target, vocab, 0)
         for batches in (bucketed, whole):
             results.append(train.evaluate(params, frozen, batches, targets_for, spec))
     for result in results[1:]:
@@ -155,7 +161,7 @@ def test_batches_cut_to_their_bucket_width_score_as_the_whole_window(toy, tmp_pa
     np.testing.assert_allclose(results[1]["loss"], results[0]["loss"], rtol=1e-5)  # fresh passes: only rounding
     np.testing.assert_allclose(results[3]["loss"], results[2]["loss"], rtol=1e-5)  # the same cache, cut or not
     # The cache stores length-ordered shards, each only as wide as its widest row.
-    cache = train.cache_features(target, short, hidden, tmp_path / "narrow", chunk_rows=8, bucket_width=8)
+    cache = train.cache_features(target, short, spec.hidden_layers, tmp_path / "narrow", chunk_rows=8, bucket_width=8)
     by_length = widths[np.argsort(lengths, kind="stable")]
     assert [chunk.shape[1] for chunk in cache.labels] == [int(by_length[c * 8: c * 8 + 8].max()) for c in range(5)]
     assert cache.labels[0].shape[1] == 16 < SEQ_LEN
@@ -167,9 +173,6 @@ def test_text_labels_are_each_rows_next_token(toy, tmp_path, cache):
     or a fresh target pass alike; the default stays the target's argmax. On answers the toy did not
     write (random tokens), the two part at every loss position whose next token is not the
     successor."""
-    from jaxspec.train.config import StepSpec
-    from jaxspec.train.run import _head_setup
-
     target, _, _, data = toy
     rng = np.random.default_rng(3)
     in_answer = (np.arange(data.seq_len)[None] >= data.prompt_lengths[:, None]) & \
@@ -180,11 +183,7 @@ def test_text_labels_are_each_rows_next_token(toy, tmp_path, cache):
     labels = {}
     for source in ("target", "text"):
         cfg = train.TrainConfig(draft_vocab_size=96, cache_features=cache, labels=source)
-        head_cfg, hidden, vocab = _head_setup(target, written, cfg)
-        spec = StepSpec(train=cfg, target_cfg=TOY, head_cfg=head_cfg, hidden_layers=hidden)
-        frozen = {"embed": target.params.embed, "draft_ids": jnp.asarray(vocab.target_ids, jnp.int32),
-                  "target_to_draft": jnp.asarray(vocab.target_to_draft)}
-        targets_for = train.target_source(target, written, frozen, spec, tmp_path / f"features_{source}", progress=False)
+        targets_for, *_ = _targets_for(target, written, cfg, tmp_path / f"features_{source}")
         batch = targets_for(rows, SEQ_LEN)
         labels[source], mask = np.asarray(batch["labels"]), np.asarray(batch["loss_mask"])
     batch_tokens = np.asarray(written.batch(rows)["tokens"])

@@ -18,14 +18,14 @@ rejected, with that token's p already removed, so never keeps it.
 
 Acceptance walks down from the root. Greedy (`greedy_accept`) takes the longest root-to-node path
 whose every token is the target's argmax at its parent: only children carrying that one token can
-match (one, but for a grafted repeat), so the path's tokens are exactly plain greedy's. Sampling (`rejection_sample`) is
-multi-draft verification for point-mass drafts (SpecInfer, EAGLE's `evaluate_posterior`): at the
-current node with target distribution p, its children x_1, x_2, ... are tried in order, x_j
-accepted with probability p'(x_j) where p' is p with the siblings already rejected removed and
-renormalised; if all are rejected the next token is drawn from p with every child removed. This
-draws each step's token exactly from p (P(x_1) = p(x_1), P(x_2) = (1 - p(x_1)) p(x_2) / (1 - p(x_1)),
-...), so the output is distributed as the target's own sampling. Tree drafts are therefore always
-deterministic: a drafter's top_k children, never samples.
+match (one, but for a grafted repeat), so the path's tokens are exactly plain greedy's. Sampling
+(`rejection_sample`) is multi-draft verification for point-mass drafts (SpecInfer, EAGLE's
+`evaluate_posterior`): at the current node with target distribution p, its children x_1, x_2, ...
+are tried in order, x_j accepted with probability p'(x_j) where p' is p with the siblings already
+rejected removed and renormalised; if all are rejected the next token is drawn from p with every
+child removed. This draws each step's token exactly from p (P(x_1) = p(x_1), P(x_2) = (1 - p(x_1))
+p(x_2) / (1 - p(x_1)), ...), so the output is distributed as the target's own sampling. Tree drafts
+are therefore always deterministic: a drafter's top_k children, never samples.
 
 After acceptance the path (at most depth + 1 verify indices) is all the loop keeps: its tokens are
 committed, its hiddens feed the proposer, and its K/V are gathered into contiguous slots

@@ -239,12 +239,12 @@ def _targets(target_params: Any, frozen: Frozen, batch: dict[str, jax.Array], sp
     return target_batch(target_params, spec.target_cfg, spec.hidden_layers, batch, draft_ids)
 
 
-def _labelled(targets: dict[str, Any], tokens: jax.Array, spec: StepSpec) -> dict[str, Any]:
+def _labelled(targets: dict[str, Any], spec: StepSpec) -> dict[str, Any]:
     """`targets` with the labels `TrainConfig.labels` asks for: the target's argmax as computed,
     or each position's next token in the row (the last position's next is beyond the batch; the
     loss mask never holds it)."""
     if spec.train.labels == "text":
-        return {**targets, "labels": jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))}  # [B, W]
+        return {**targets, "labels": jnp.pad(targets["tokens"][:, 1:], ((0, 0), (0, 1)))}  # [B, W]
     return targets
 
 
@@ -255,11 +255,7 @@ def target_source(target: Model, data: Dataset, frozen: Frozen, spec: StepSpec, 
     recomputed by a target forward."""
     cfg = spec.train
     if not cfg.cache_features:
-        def computed_for(rows, width):
-            batch = data.batch(rows, width)
-            return _labelled(_targets(target.params, frozen, batch, spec), batch["tokens"], spec)
-
-        return computed_for
+        return lambda rows, width: _labelled(_targets(target.params, frozen, data.batch(rows, width), spec), spec)
     # The cache also keeps the final-normed stream (layer L, an MTP head's input), which the
     # forward computes anyway: an EAGLE-3 run's cache then serves an MTP run on the same data.
     layers = tuple(dict.fromkeys(spec.hidden_layers + (target.config.num_layers,)))
@@ -270,6 +266,6 @@ def target_source(target: Model, data: Dataset, frozen: Frozen, spec: StepSpec, 
         features, labels = cache.rows(rows, spec.hidden_layers, width)  # [B, F, W, D], [B, W]
         return _labelled({"tokens": batch["tokens"],
                           "features": tuple(jnp.asarray(features[:, i]) for i in range(features.shape[1])),
-                          "labels": jnp.asarray(labels), "loss_mask": batch["loss_mask"]}, batch["tokens"], spec)
+                          "labels": jnp.asarray(labels), "loss_mask": batch["loss_mask"]}, spec)
 
     return targets_for
