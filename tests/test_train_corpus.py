@@ -516,6 +516,17 @@ def test_a_second_build_generates_nothing(built, chat_model, user_file):
     assert calls == [] and again == manifest
 
 
+def test_a_clone_rebuilds_the_ignored_dataset_leaving_the_committed_files_as_they_were(built, chat_model, user_file):
+    out_dir, _, _ = built
+    committed = {p: p.read_bytes() for p in sorted(out_dir.rglob("*")) if p.is_file() and p.name != "dataset.npz"}
+    expected = corpus_files(out_dir)
+    (out_dir / "dataset.npz").unlink()  # ignored by git: a fresh clone has the shards, not the rows
+    with counted_generate() as calls:
+        corpus.build_corpus(chat_model, out_dir, tiny_plan(user_file))
+    assert calls == [] and corpus_files(out_dir) == expected
+    assert {p: p.read_bytes() for p in committed} == committed  # timings.json's seconds included
+
+
 def test_a_killed_build_resumes_to_the_same_corpus(built, chat_model, user_file, tmp_path):
     out_dir, _, total_calls = built
     expected = corpus_files(out_dir)
