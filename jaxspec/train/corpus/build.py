@@ -387,7 +387,6 @@ def _build_round(target: Model, out_dir: pathlib.Path, share: RoundShare, spec_t
     wrote = _shards(out_dir, TURN2_DIR, selected, plan, turn2, progress) or wrote
     second = _read_shards(out_dir, TURN2_DIR, len(selected), plan)
 
-    rebuilding = (out_dir / MANIFEST_FILE).is_file() and not wrote  # packed before: only dataset.npz is missing
     if wrote or not (out_dir / DATASET_FILE).is_file() or not (out_dir / MANIFEST_FILE).is_file():
         start = time.perf_counter()
         # The split decides each prompt alone (its template, or its own hash), so rounds packed
@@ -397,9 +396,9 @@ def _build_round(target: Model, out_dir: pathlib.Path, share: RoundShare, spec_t
         conversations = [two_turn.get(r["id"], r) for r in answers]  # an empty second answer: keep one turn
         packed, packing = pack_conversations(conversations, plan.seq_len, held_out_ids=[r["id"] for r in held])
         packed.save(out_dir / DATASET_FILE)
-        if not rebuilding:
-            # A clone rebuilding its ignored dataset.npz from the committed shards makes the same
-            # rows again: the committed timings (and the manifest that copies them) stay as made.
+        if wrote or not (out_dir / MANIFEST_FILE).is_file():
+            # Otherwise a clone is rebuilding its ignored dataset.npz from the committed shards: the
+            # same rows again, so the committed timings (and the manifest that copies them) stay.
             _add_seconds(out_dir, "pack", time.perf_counter() - start)
         manifest = _manifest(out_dir, plan, tokenizer, prompts, answers, second, packed, packing)
         _write_json(out_dir / MANIFEST_FILE, manifest)
