@@ -5,10 +5,12 @@ cache-major, in whole forwards of the default model.
     . .venv/bin/activate && python bench/attention.py --calls 3 --no-write   # a quick look
 
 `flash_decode_reference` (the attention every CPU forward runs) computes a decode or verify step's
-scores cache-major, [S, H] x [H, Q] -> [B, K, S, Q], up to `CACHE_MAJOR_MAX_QUERIES` queries per
-kv head; left to itself XLA picks the query-major layout the softmax wants and contracts the
-cache over its minor axis far more slowly. This script times one trunk forward both ways, each
-compiled as its own program (the threshold is read while tracing), in the shapes that matter:
+scores query-major, [Q, H] x [S, H]^T -> [B, K, Q, S], up to `DECODE_MAX_QUERIES` queries per kv
+head: a query gets the same bits whatever the number of queries beside it, which greedy
+speculation's exactness needs. Cache-major, [S, H] x [H, Q] -> [B, K, S, Q] (the layout shipped
+until 2026-12-07, held by an optimization barrier), was faster in some shapes but not width-exact
+on every CPU (`DECODE_SCORES_LAYOUT`). This script times one trunk forward both ways, each
+compiled as its own program (the switch is read while tracing), in the shapes that matter:
 the corpus builder's batch-64 int8 decode over 384 and 768 slots, batch-1 decode and verify
 (T = 5: a k = 4 chain) in float32 and int8, and a batch-8 verify. Forwards run as the generation
 loop runs them (bench/forward_cost.py: the cache carried in place through a `fori_loop`),
@@ -44,15 +46,15 @@ LAYOUTS = ("query-major", "cache-major")
 
 @contextlib.contextmanager
 def scores_layout(layout: str):
-    """Trace with the reference computing scores `layout` (cache-major: the shipped threshold)."""
+    """Trace with the reference computing a decode or verify step's scores `layout`."""
     from jaxspec.pallas import flash_decode
 
-    shipped = flash_decode.CACHE_MAJOR_MAX_QUERIES
-    flash_decode.CACHE_MAJOR_MAX_QUERIES = shipped if layout == "cache-major" else 0
+    shipped = flash_decode.DECODE_SCORES_LAYOUT
+    flash_decode.DECODE_SCORES_LAYOUT = layout
     try:
         yield
     finally:
-        flash_decode.CACHE_MAJOR_MAX_QUERIES = shipped
+        flash_decode.DECODE_SCORES_LAYOUT = shipped
 
 
 def measure(args) -> dict:
@@ -79,7 +81,7 @@ def build_section(args, costs: dict, load: tuple[float, float]) -> str:
              f"model (SmolLM2-135M-Instruct, f32 KV cache), median over {args.calls} calls of {args.iters} "
              "forwards, the two layouts interleaved.", "",
              f"Rerun: `{RERUN}`", "",
-             "| weights | batch | T | cache slots (used) | query-major ms | cache-major ms | speed-up |",
+             "| weights | batch | T | cache slots (used) | query-major ms (shipped) | cache-major ms | cache-major speed-up |",
              "|---|---:|---:|---|---:|---:|---:|"]
     for case in CASES:
         fmt, batch, steps, capacity, length = case

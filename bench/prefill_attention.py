@@ -5,7 +5,7 @@ and in the training-time test's attention.
     . .venv/bin/activate && python bench/prefill_attention.py
     . .venv/bin/activate && python bench/prefill_attention.py --calls 1 --no-write   # a quick look
 
-`flash_decode_reference` attends a prefill-sized T (more than `CACHE_MAJOR_MAX_QUERIES` queries per
+`flash_decode_reference` attends a prefill-sized T (more than `DECODE_MAX_QUERIES` queries per
 kv head) `PREFILL_QUERY_BLOCK` queries at a time (`_prefill_attention`): block [t0, t1) reads
 slots [0, S - T + t1) only. This script times one trunk forward with that block and with one block
 holding all T (the whole matrix, as before blocks), each compiled as its own program (the block

@@ -158,29 +158,58 @@ def test_kernel_matches_reference_under_a_tree_mask(key_format, value_format, gr
     chex.assert_trees_all_close(ours, reference, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("layout", ["query-major", "cache-major"])
 @pytest.mark.parametrize("key_format, value_format, group, steps", [("f32", "f32", 3, 1), ("q8_0", "q5_1", 3, 5),
-                                                                    ("bf16", "bf16", 1, 9)])
+                                                                    ("bf16", "bf16", 1, 9), ("f32", "f32", 1, 1)])
 @pytest.mark.parametrize("query_block", [2, 4096])
-def test_reference_scores_cache_major_and_query_major_agree(monkeypatch, key_format, value_format, group, steps,
-                                                            query_block):
-    """The reference computes decode/verify scores cache-major (XLA:CPU's fast layout) and a
-    prefill's query-major, a block of queries at a time over the slots the block can reach: the
-    same attention, causal, under a tree mask and in a sliding window, with blocks of 2 (T = 5
-    and 9 leave a short last block; the row at length S - T reaches the last slot only from its
-    last block) or T in one block."""
-    assert flash_decode_module.CACHE_MAJOR_MAX_QUERIES >= 3 * 9  # decode and verify sizes go cache-major
+def test_reference_decode_and_prefill_paths_agree(monkeypatch, layout, key_format, value_format, group, steps,
+                                                  query_block):
+    """The reference attends decode/verify sizes in one product over the cache (scores in either
+    layout; a lone query padded to two) and a prefill a block of queries at a time over the
+    slots the block can reach: the same attention, causal, under a tree mask and in a sliding
+    window, with blocks of 2 (T = 5 and 9 leave a short last block; the row at length S - T
+    reaches the last slot only from its last block) or T in one block."""
+    assert flash_decode_module.DECODE_MAX_QUERIES >= 3 * 9  # decode and verify sizes take one product
     q, keys, values, lengths = _random_attention_inputs(key_format, value_format, group, steps, seed=7 * steps + group)
     rng = np.random.RandomState(steps)
     mask = TreeMask(start=lengths, visible=jnp.asarray(np.stack([random_tree_visible(rng, steps) for _ in lengths])))
     cases = {"causal": {}, "tree": {"mask": mask},
              "window": {"window": 16, "query_positions": lengths[:, None] + jnp.arange(steps)}}
     for name, options in cases.items():
-        cache_major = flash_decode_reference(q, keys, values, lengths, **options)
-        monkeypatch.setattr(flash_decode_module, "CACHE_MAJOR_MAX_QUERIES", 0)
+        monkeypatch.setattr(flash_decode_module, "DECODE_SCORES_LAYOUT", layout)
+        decode = flash_decode_reference(q, keys, values, lengths, **options)
+        monkeypatch.setattr(flash_decode_module, "DECODE_MAX_QUERIES", 0)
         monkeypatch.setattr(flash_decode_module, "PREFILL_QUERY_BLOCK", query_block)
-        query_major = flash_decode_reference(q, keys, values, lengths, **options)
+        prefill = flash_decode_reference(q, keys, values, lengths, **options)
         monkeypatch.undo()
-        assert max_relative_error(cache_major, query_major) < 1e-5, name
+        assert max_relative_error(decode, prefill) < 1e-5, name
+
+
+@pytest.mark.parametrize("key_format, value_format", [("f32", "f32"), ("q8_0", "q5_1")])
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_a_query_s_attention_is_bitwise_the_same_whatever_shares_the_call(key_format, value_format, group):
+    """A step (T = 1) and a verify (T = k + 1) give a position the same bits, as greedy
+    speculation's exactness needs (under int8 weights an ulp of attention flips an activation's
+    rounding downstream). Each prefix of 12 queries, compiled as the engine compiles it, against
+    all 12: the count of queries beside a query (G*T from 1 to 36) moves none of its output.
+    Cache-major scores failed this on an AMD EPYC (Zen 2): Q mod 16 in 1-8 against 9-16, and
+    without its padding a lone query (G = 1, T = 1) did. G = 2 is the tiny test model's, 3 the
+    default model's; the other sizes are the default model's (K = 3, H = 64) at batch 4 over 384
+    slots. Below about 4,096 scores a call XLA:CPU compiles the softmax's exp(x - max)
+    differently ([3, 2, Q, 128] changed with Q = 1-5 against more), so a call that small is not
+    bitwise; at batch 1, where the engine's steps are that small, T pads to 8 in a step and a
+    verify alike (`loop.padded_tokens`)."""
+    batch, num_kv_heads, capacity, head_dim, steps = 4, 3, 384, 64, 12
+    rng = np.random.RandomState(group)
+    q = jnp.asarray(rng.randn(batch, steps, num_kv_heads, group, head_dim), jnp.float32)
+    keys = kv_quant.quantize_reference(jnp.asarray(rng.randn(batch, num_kv_heads, capacity, head_dim) * 2), key_format)
+    values = kv_quant.quantize_reference(jnp.asarray(rng.randn(batch, num_kv_heads, capacity, head_dim)), value_format)
+    lengths = jnp.array([0, 24, 200, capacity - steps], jnp.int32)
+    attend = jax.jit(flash_decode_reference)
+    whole = np.asarray(attend(q, keys, values, lengths))
+    for prefix in range(1, steps):
+        np.testing.assert_array_equal(np.asarray(attend(q[:, :prefix], keys, values, lengths)), whole[:, :prefix],
+                                      err_msg=f"{prefix} of {steps} queries, G = {group}")
 
 
 def test_a_causal_triangle_mask_is_the_causal_rule_exactly():

@@ -62,12 +62,18 @@ _WORD_BITS = 32  # window slots per packed tree-mask word (int32)
 # prefill-sized T goes to the reference (XLA), which tiles large attention itself.
 MAX_KERNEL_QUERIES = 128
 
-# The reference computes q.k cache-major ([S, H] x [H, Q]: scores [B, K, S, Q]) up to this many
-# queries per kv head, query-major above. XLA:CPU runs a decode or verify step's products far
-# faster cache-major and a prefill's query-major (bench/attention.py measures both).
-CACHE_MAJOR_MAX_QUERIES = MAX_KERNEL_QUERIES
-# Above that, the reference attends a block of this many queries at a time (_prefill_attention).
+# The reference attends up to this many queries per kv head (a decode or verify step) in one
+# product over the whole cache; above, a block of PREFILL_QUERY_BLOCK queries at a time, over the
+# slots the block can reach (_prefill_attention).
+DECODE_MAX_QUERIES = MAX_KERNEL_QUERIES
 PREFILL_QUERY_BLOCK = 128
+# How a decode or verify step's q.k is laid out: "query-major" ([Q, H] x [S, H]^T -> [B, K, Q, S]),
+# whose every query gets the same bits whatever the number of queries beside it, or
+# "cache-major" ([S, H] x [H, Q] -> [B, K, S, Q], held by an optimization barrier), which is not:
+# XLA:CPU's product tiles Q there, and on an AMD EPYC (Zen 2) a query's scores changed by an ulp
+# with Q mod 16 (1-8 against 9-16), so a batch-16 int8 step (Q = 3) and k = 4 verify (Q = 15)
+# parted in the first MT-bench row. Kept for bench/attention.py, which times both.
+DECODE_SCORES_LAYOUT = "query-major"
 
 
 class Attention(Choice):
@@ -175,8 +181,8 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
                            query_positions: jax.Array | None = None, scale: float | None = None,
                            block_s: int = 0, split_size: int = 0, interpret: bool = False) -> jax.Array:
     """Masked softmax attention in float32 jnp: the whole cache, dequantized, in two einsums
-    (the first cache-major for decode and verify sizes, where XLA:CPU runs it fastest; a prefill
-    a block of queries at a time, over the slots each block can reach: _prefill_attention).
+    (for decode and verify sizes; a prefill a block of queries at a time, over the slots each
+    block can reach: _prefill_attention).
 
     q: [B, T, K, G, H]; keys, values: [B, K, S, H] in any KV format; lengths: int32[B];
     mask: a `TreeMask` in place of the causal rule; window, query_positions: a sliding window
@@ -193,21 +199,30 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
     precision = _reference_precision()
     visible = mask_visible(mask, lengths, steps, jnp.arange(capacity), window=window,
                            query_positions=query_positions)  # [B, T, S]
-    if group * steps > CACHE_MAJOR_MAX_QUERIES:
+    if group * steps > DECODE_MAX_QUERIES:
         return _prefill_attention(q, keys, values, visible, scale, precision)
-    queries = _grouped(q.astype(jnp.float32))  # [B, K, G*T, H]
-    # Decode and verify: the cache is the large operand. Left to itself XLA:CPU lays the
-    # product out for the softmax that follows (query-major) and contracts the cache over
-    # its minor axis H slowly; computed cache-major, with a barrier that keeps that layout,
-    # a whole B = 64 int8 decode step over 768 slots runs 2.2x faster, over 384 1.3x, a
-    # B = 8 verify 1.1x, batch 1 1.02-1.07x (bench/attention.py).
-    scores = jax.lax.optimization_barrier(
-        jnp.einsum("BKSH,BKQH->BKSQ", keys, queries * scale, precision=precision))
-    scores = jnp.swapaxes(scores, -1, -2)  # [B, K, Q, S]
-    visible = jnp.tile(visible, (1, group, 1))  # [B, G*T, S]: rows (g, t)
+    queries = _grouped(q.astype(jnp.float32)) * scale  # [B, K, Q, H], Q = G*T, rows (g, t)
+    visible = jnp.tile(visible, (1, group, 1))  # [B, Q, S]
+    # A step and a verify must give a query the same bits (greedy speculation is exact only so,
+    # and under int8 weights an ulp here flips an activation's rounding): XLA:CPU runs a
+    # one-row product as a matrix-vector product, summed in its own order, so a lone query
+    # goes as two (a zero query beside it; the barrier on the output keeps XLA from moving the
+    # slice that drops it up through the products, back to one row); from two rows on, a row's
+    # sums do not depend on the count.
+    rows = queries.shape[2]
+    if rows == 1:
+        queries = jnp.pad(queries, ((0, 0), (0, 0), (0, 1), (0, 0)))
+        visible = jnp.pad(visible, ((0, 0), (0, 1), (0, 0)), constant_values=True)
+    if DECODE_SCORES_LAYOUT == "cache-major":
+        scores = jnp.swapaxes(jax.lax.optimization_barrier(
+            jnp.einsum("BKSH,BKQH->BKSQ", keys, queries, precision=precision)), -1, -2)
+    else:
+        scores = jnp.einsum("BKQH,BKSH->BKQS", queries, keys, precision=precision)  # [B, K, Q, S]
     scores = jnp.where(visible[:, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values, precision=precision)
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values, precision=precision)  # [B, K, Q, H]
+    if rows == 1:
+        out = jax.lax.optimization_barrier(out)[:, :, :1]
     return _ungrouped(out, steps)
 
 

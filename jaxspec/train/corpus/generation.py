@@ -54,7 +54,8 @@ def _generate_batches(target: Model, prompts: Sequence[Sequence[int]], *, batch_
     before the bound (mean 177 of 512 tokens) and half run to it: by a step cost linear in the
     cache, two spans should spend about 0.6x the time of one. Measured together with the
     cache-major attention: an answer shard of 256 prompts took 1,212 s, against 3,419 s in one
-    span before both (2.8x; the two were not timed apart)."""
+    span before both (2.8x; the two were not timed apart). Attention is query-major since
+    (exact across widths; the batch-64 step 1.2-2x slower: bench/attention.py)."""
     if spans <= 1 or temperature > 0 or max_new_tokens < 2 * spans:
         return _generate_span(target, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens, window=window,
                               temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids,
