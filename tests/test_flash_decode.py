@@ -117,16 +117,18 @@ def random_tree_visible(rng: np.random.RandomState, nodes: int) -> np.ndarray:
     return visible
 
 
-def _random_attention_inputs(key_format, value_format, group, steps, seed):
-    """q [B=3, T, K=2, G, H=32] and a K/V cache of S=128 slots; the rows' lengths 0, 24 and
+def _random_attention_inputs(key_format, value_format, group, steps, seed, *, lengths=(0, 24), num_kv_heads=2,
+                             capacity=128, head_dim=32):
+    """q [B, T, K=2, G, H=32] and a K/V cache of S=128 slots; the rows' lengths 0, 24 and
     S - T: one at the cache's start, one not aligned to a block of 16 whose last query (at slot
-    24 + 40 or 24 + 8) sits alone on the first slot of a split of 32, one ending on the last slot."""
-    batch, num_kv_heads, capacity, head_dim = 3, 2, 128, 32
+    24 + 40 or 24 + 8) sits alone on the first slot of a split of 32, one ending on the last slot.
+    `lengths` (the rows before the last), K, S and H may be set."""
+    batch = len(lengths) + 1
     rng = np.random.RandomState(seed)
     q = jnp.asarray(rng.randn(batch, steps, num_kv_heads, group, head_dim), jnp.float32)
     keys = kv_quant.quantize_reference(jnp.asarray(rng.randn(batch, num_kv_heads, capacity, head_dim) * 2), key_format)
     values = kv_quant.quantize_reference(jnp.asarray(rng.randn(batch, num_kv_heads, capacity, head_dim)), value_format)
-    lengths = jnp.array([0, 24, capacity - steps], jnp.int32)
+    lengths = jnp.array([*lengths, capacity - steps], jnp.int32)
     return q, keys, values, lengths
 
 
@@ -199,12 +201,10 @@ def test_a_query_s_attention_is_bitwise_the_same_whatever_shares_the_call(key_fo
     differently ([3, 2, Q, 128] changed with Q = 1-5 against more), so a call that small is not
     bitwise; at batch 1, where the engine's steps are that small, T pads to 8 in a step and a
     verify alike (`loop.padded_tokens`)."""
-    batch, num_kv_heads, capacity, head_dim, steps = 4, 3, 384, 64, 12
-    rng = np.random.RandomState(group)
-    q = jnp.asarray(rng.randn(batch, steps, num_kv_heads, group, head_dim), jnp.float32)
-    keys = kv_quant.quantize_reference(jnp.asarray(rng.randn(batch, num_kv_heads, capacity, head_dim) * 2), key_format)
-    values = kv_quant.quantize_reference(jnp.asarray(rng.randn(batch, num_kv_heads, capacity, head_dim)), value_format)
-    lengths = jnp.array([0, 24, 200, capacity - steps], jnp.int32)
+    steps = 12
+    q, keys, values, lengths = _random_attention_inputs(key_format, value_format, group, steps, seed=group,
+                                                        lengths=(0, 24, 200), num_kv_heads=3, capacity=384,
+                                                        head_dim=64)
     attend = jax.jit(flash_decode_reference)
     whole = np.asarray(attend(q, keys, values, lengths))
     for prefix in range(1, steps):
