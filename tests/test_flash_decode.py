@@ -119,10 +119,11 @@ def random_tree_visible(rng: np.random.RandomState, nodes: int) -> np.ndarray:
 
 def _random_attention_inputs(key_format, value_format, group, steps, seed, *, lengths=(0, 24), num_kv_heads=2,
                              capacity=128, head_dim=32):
-    """q [B, T, K=2, G, H=32] and a K/V cache of S=128 slots; the rows' lengths 0, 24 and
-    S - T: one at the cache's start, one not aligned to a block of 16 whose last query (at slot
-    24 + 40 or 24 + 8) sits alone on the first slot of a split of 32, one ending on the last slot.
-    `lengths` (the rows before the last), K, S and H may be set."""
+    """q [B, T, K, G, H] and a K/V cache of S slots, by default K = 2, H = 32, S = 128 and the rows'
+    lengths 0, 24 and S - T: one at the cache's start, one not aligned to a block of 16 whose last
+    query (at slot 24 + 40 or 24 + 8) sits alone on the first slot of a split of 32, one ending on
+    the last slot. `lengths` sets the rows before the last (B = its count + 1); the last row always
+    ends on the last slot."""
     batch = len(lengths) + 1
     rng = np.random.RandomState(seed)
     q = jnp.asarray(rng.randn(batch, steps, num_kv_heads, group, head_dim), jnp.float32)
