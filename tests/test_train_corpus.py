@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
 import json
 import pathlib
 import random
+import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +25,8 @@ import jaxspec
 from jaxspec import self_instruct, train
 from jaxspec.tokenizer import Tokenizer
 from jaxspec.train import corpus
-from jaxspec.train.corpus import generation
+from jaxspec.train.corpus import files, generation
+from jaxspec.train.corpus.files import _read_jsonl
 from tests.conftest import TINY, requires_default_model
 
 # ChatML with a default system prompt, as SmolLM2's template writes it.
@@ -112,11 +116,11 @@ def _committed_user_turns() -> list[str]:
     and the follow-ups of its second turns, the training data of the shipped head."""
     texts = []
     for round_dir in sorted(COMMITTED_CORPUS.glob("round_*")):
-        if (round_dir / "prompts.jsonl").is_file():
-            texts += [json.loads(line)["text"] for line in (round_dir / "prompts.jsonl").read_text().splitlines()]
-        for shard in sorted((round_dir / "turn2").glob("shard_*.jsonl")):
-            for line in shard.read_text().splitlines():
-                texts += [m["content"] for m in json.loads(line)["messages"][1:] if m["role"] == "user"]
+        if (round_dir / "prompts.jsonl.gz").is_file():
+            texts += [record["text"] for record in _read_jsonl(round_dir / "prompts.jsonl.gz")]
+        for shard in sorted((round_dir / "turn2").glob("shard_*.jsonl.gz")):
+            for record in _read_jsonl(shard):
+                texts += [m["content"] for m in record["messages"][1:] if m["role"] == "user"]
     return texts
 
 
@@ -475,13 +479,13 @@ def corpus_files(out_dir) -> dict[str, bytes]:
 def test_build_corpus_writes_every_stage(built, spec_turns):
     out_dir, manifest, calls = built
     assert calls > 0
-    for name in ("plan.json", "prompts.jsonl", "prompts_report.json", "pool/magpie.json", "pool/passages.json",
-                 "answers/shard_00000.jsonl", "turn2/selection.json", "turn2/shard_00000.jsonl", "dataset.npz"):
+    for name in ("plan.json", "prompts.jsonl.gz", "prompts_report.json", "pool/magpie.json", "pool/passages.json",
+                 "answers/shard_00000.jsonl.gz", "turn2/selection.json", "turn2/shard_00000.jsonl.gz", "dataset.npz"):
         assert (out_dir / name).is_file(), name
     status = corpus.corpus_status(out_dir)
     assert status["complete"] and status["next"] is None
     assert status["answers"]["done"] == status["answers"]["total"] == -(-manifest["prompts"] // 8)
-    prompts = [json.loads(line) for line in (out_dir / "prompts.jsonl").read_text().splitlines()]
+    prompts = _read_jsonl(out_dir / "prompts.jsonl.gz")
     sources = {r["source"] for r in prompts}
     assert {"magpie", "self_instruct_topic", "self_instruct_passage", "user"} <= sources
     # Nothing in the pool is near Spec-Bench, the model-written magpie prompts included (pairwise check).
@@ -498,7 +502,7 @@ def test_build_corpus_writes_every_stage(built, spec_turns):
     # Each row's mask is its record's assistant spans, cut to the window (the two-turn record
     # unless the target's second answer was empty).
     records = {r["id"]: r for stage in ("answers", "turn2") for path in sorted((out_dir / stage).glob("shard_*"))
-               for r in map(json.loads, path.read_text().splitlines())
+               for r in _read_jsonl(path)
                if stage == "answers" or r["messages"][-1]["content"].strip()}
     for row, conversation_id in enumerate(data.ids):
         record = records[conversation_id]
@@ -541,11 +545,81 @@ def test_a_killed_build_resumes_to_the_same_corpus(built, chat_model, user_file,
         assert 0 < len(calls) < total_calls
         assert corpus_files(resumed_dir) == expected
     # A deleted shard is regenerated alone, and the data comes out the same.
-    last = max((out_dir / "answers").glob("shard_*.jsonl"))
+    last = max((out_dir / "answers").glob("shard_*.jsonl.gz"))
     last.unlink()
     with counted_generate() as calls:
         corpus.build_corpus(chat_model, out_dir, tiny_plan(user_file))
     assert 0 < len(calls) <= 2 and corpus_files(out_dir) == expected
+
+
+def test_corpus_jsonl_files_are_gzip_written_deterministically_and_read_in_either_form(tmp_path):
+    """Prompts and shards are written as .jsonl.gz with nothing of the moment in the header, so the
+    same records give the same bytes; a plain .jsonl of the same name (a corpus from before gzip)
+    is read in its place."""
+    records = [{"id": "r000-magpie-000000", "source": "magpie", "text": "Caf\u00e9 \u2713, \"quoted\"\n",
+                "ids": [1, 2, 3]},
+               {"id": "r000-math-000001", "source": "math", "text": "What is 2 + 2?"}]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    shard = files._shard_path(tmp_path / "a", corpus.ANSWERS_DIR, 0)
+    assert shard.name == "shard_00000.jsonl.gz" and corpus.PROMPTS_FILE == "prompts.jsonl.gz"
+    files._write_jsonl(shard, records)
+    data = shard.read_bytes()
+    # gzip's magic, deflate, no flags (so no file name), mtime 0, OS "unknown": nothing of where or when.
+    assert data[:10] == b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\xff"
+    assert gzip.decompress(data).decode("utf-8") == text
+    assert files._read_jsonl(shard) == records
+    assert not list(shard.parent.glob(".*"))  # no temporary file or claim left
+    # Rewritten elsewhere, under another name and at another time: the same bytes.
+    time.sleep(1.1)
+    again = tmp_path / "b" / corpus.PROMPTS_FILE
+    files._write_jsonl(again, records)
+    assert again.read_bytes() == data
+    # A legacy plain shard stands for the .jsonl.gz one: made, read, counted.
+    legacy_dir = tmp_path / "legacy"
+    (legacy_dir / corpus.ANSWERS_DIR).mkdir(parents=True)
+    (legacy_dir / corpus.ANSWERS_DIR / "shard_00000.jsonl").write_text(text, encoding="utf-8")
+    canonical = files._shard_path(legacy_dir, corpus.ANSWERS_DIR, 0)
+    assert files._is_made(canonical) and not canonical.exists() and files._read_jsonl(canonical) == records
+    assert not files._is_made(files._shard_path(legacy_dir, corpus.ANSWERS_DIR, 1))
+    files._write_jsonl(files._shard_path(legacy_dir, corpus.ANSWERS_DIR, 1), records[:1])
+    assert files._shard_numbers(legacy_dir, corpus.ANSWERS_DIR) == {0, 1}
+    with pytest.raises(FileNotFoundError, match="shard_00002.jsonl.gz"):
+        files._read_jsonl(files._shard_path(legacy_dir, corpus.ANSWERS_DIR, 2))
+    # A damaged file names itself.
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(jaxspec.CheckpointError, match=r"shard_00000.jsonl.gz is not readable gzip"):
+        files._read_jsonl(shard)
+
+
+def test_a_corpus_built_before_gzip_resumes_as_it_is(built, chat_model, user_file, tmp_path):
+    """A corpus whose prompts and shards are plain .jsonl (written before gzip) is complete as it
+    is: nothing regenerated, nothing rewritten; a shard it lacks is made as .jsonl.gz, and the
+    data comes out the same."""
+    out_dir, _, _ = built
+    legacy = tmp_path / "legacy"
+    shutil.copytree(out_dir, legacy)
+    manifest = json.loads((out_dir / corpus.MANIFEST_FILE).read_text())  # as now (an earlier test may rebuild a shard)
+    for path in sorted(legacy.rglob("*.jsonl.gz")):
+        path.with_name(path.name[: -len(".gz")]).write_bytes(gzip.decompress(path.read_bytes()))
+        path.unlink()
+    plain = {p: p.read_bytes() for p in sorted(legacy.rglob("*.jsonl"))}
+    assert len(plain) >= 3
+    status = corpus.corpus_status(legacy)
+    assert status == corpus.corpus_status(out_dir) and status["complete"] and status["answers"]["done"] >= 1
+    with counted_generate() as calls:
+        again = corpus.build_corpus(chat_model, legacy, tiny_plan(user_file))
+    assert calls == [] and again == manifest
+    assert {p: p.read_bytes() for p in sorted(legacy.rglob("*.jsonl"))} == plain and not list(legacy.rglob("*.gz"))
+    expected = {k: v for k, v in corpus_files(out_dir).items() if k == "manifest" or k.startswith("dataset/")}
+    last = max((legacy / "answers").glob("shard_*.jsonl"))
+    last.unlink()
+    with counted_generate() as calls:
+        corpus.build_corpus(chat_model, legacy, tiny_plan(user_file))
+    assert calls
+    regenerated = last.with_name(last.name + ".gz")
+    assert regenerated.is_file()
+    assert files._read_jsonl(regenerated) == files._read_jsonl(out_dir / "answers" / regenerated.name)
+    assert {k: v for k, v in corpus_files(legacy).items() if k in expected} == expected
 
 
 def test_a_changed_plan_is_refused_naming_the_field(built, chat_model, user_file):
@@ -568,7 +642,7 @@ def built_in_rounds(chat_model, user_file, tmp_path_factory):
 
 
 def round_prompts(out_dir, index):
-    return [json.loads(line) for line in (out_dir / f"round_{index:03d}" / "prompts.jsonl").read_text().splitlines()]
+    return _read_jsonl(out_dir / f"round_{index:03d}" / "prompts.jsonl.gz")
 
 
 def test_rounds_share_the_plan_without_repeating_a_prompt(built_in_rounds, spec_turns):
@@ -628,7 +702,7 @@ def test_workers_share_a_corpus_through_claims(built_in_rounds, chat_model, user
     out_dir, _, _ = built_in_rounds
     plan = dataclasses.replace(tiny_plan(user_file), rounds=2)
     shared = tmp_path / "shared"
-    claim = shared / "round_000" / "answers" / ".shard_00000.jsonl.claim"
+    claim = shared / "round_000" / "answers" / ".shard_00000.jsonl.gz.claim"
     claim.parent.mkdir(parents=True)
     (shared / "plan.json").write_bytes((out_dir / "plan.json").read_bytes())  # the other worker started it
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -636,8 +710,8 @@ def test_workers_share_a_corpus_through_claims(built_in_rounds, chat_model, user
         claim.write_text(f"{socket.gethostname()} {other.pid}\n")
         status = corpus.build_corpus(chat_model, shared, plan, wait=False)
         assert status["busy"] and status["rounds"]["done"] == 0 and status["next"] == "round 0: answers"
-        assert not (shared / "round_000" / "answers" / "shard_00000.jsonl").exists()
-        assert (shared / "round_000" / "answers" / "shard_00001.jsonl").is_file()
+        assert not (shared / "round_000" / "answers" / "shard_00000.jsonl.gz").exists()
+        assert (shared / "round_000" / "answers" / "shard_00001.jsonl.gz").is_file()
         assert (shared / "round_001" / "manifest.json").is_file()  # the next round went ahead
         assert not (shared / "dataset.npz").exists()  # nothing to cover until round 0 is done
     finally:

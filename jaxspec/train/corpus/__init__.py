@@ -21,17 +21,24 @@ one mostly contained in the other), from every source, second turns included.
 
 On disk (`build_corpus(target, out_dir, plan)`; rerun it to resume, `corpus_status` says where it is):
 
-    plan.json                 the CorpusPlan, the target and input fingerprints; a different plan is refused
-    pool/magpie.json          stage 1a: the synthesised user prompts and their drop counts
-    pool/passages.json        stage 1b: the target's articles the passage prompts wrap
-    prompts.jsonl             stage 1: {"id", "source", "text", ["template" | "module"]} per prompt
-    prompts_report.json       stage 1: per source, requested / kept / drops by reason
-    answers/shard_NNNNN.jsonl stage 2: the target's greedy answers, `shard_size` prompts a shard
-    turn2/selection.json      stage 3: which conversations get a second turn (a seeded choice)
-    turn2/shard_NNNNN.jsonl   stage 3: a synthesised follow-up and the target's answer to it
-    dataset.npz               stage 4: `PackedCorpus` (a superset of `Dataset`'s file)
-    manifest.json             counts per source, drops by reason, tokens, seconds per stage
-    timings.json              seconds spent per stage, summed over resumed runs
+    plan.json                    the CorpusPlan, the target and input fingerprints; a different plan is refused
+    pool/magpie.json             stage 1a: the synthesised user prompts and their drop counts
+    pool/passages.json           stage 1b: the target's articles the passage prompts wrap
+    prompts.jsonl.gz             stage 1: {"id", "source", "text", ["template" | "module"]} per prompt
+    prompts_report.json          stage 1: per source, requested / kept / drops by reason
+    answers/shard_NNNNN.jsonl.gz stage 2: the target's greedy answers, `shard_size` prompts a shard
+    turn2/drops_NNNNN.json       stage 3: a shard's follow-up drafts dropped, by reason
+    turn2/selection.json         stage 3: which conversations get a second turn (a seeded choice)
+    turn2/shard_NNNNN.jsonl.gz   stage 3: a synthesised follow-up and the target's answer to it
+    dataset.npz                  stage 4: `PackedCorpus` (a superset of `Dataset`'s file)
+    manifest.json                counts per source, drops by reason, tokens, seconds per stage
+    timings.json                 seconds spent per stage, summed over resumed runs
+
+The .jsonl.gz files are JSON Lines compressed with gzip (the standard library's; `gzip -dc`
+reads them), written deterministically (no time stamp, no file name: the same records give the
+same bytes). A corpus built before they were compressed holds plain .jsonl files of the same
+names; every reader takes either, so it resumes as it is (its finished files stay plain, the
+files it still makes are compressed).
 
 A plan of several `rounds` keeps plan.json at the top and lays each round out as above in
 round_000/, round_001/, ... (every file but plan.json); the top's dataset.npz and manifest.json

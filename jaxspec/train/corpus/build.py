@@ -24,7 +24,8 @@ from jaxspec.train.corpus.chat import _chat_tokenizer, chat_tokens
 from jaxspec.train.corpus.files import (
     ANSWERS_DIR, CLAIM_POLL_SECONDS, DATASET_FILE, FORMAT_VERSION, MAGPIE_FILE, MANIFEST_FILE, PASSAGES_FILE,
     PLAN_FILE, PROMPTS_FILE, PROMPTS_REPORT_FILE, ROUND_DIR, SELECTION_FILE, TIMINGS_FILE, TURN2_DIR, _Busy,
-    _add_seconds, _claim, _made_once, _read_json, _read_jsonl, _shard_path, _write_json, _write_jsonl,
+    _add_seconds, _claim, _is_made, _jsonl_text, _made_once, _read_json, _read_jsonl, _shard_numbers, _shard_path,
+    _write_json, _write_jsonl,
 )
 from jaxspec.train.corpus.generation import (
     ANSWER_SPANS, _generate_batches, synthesize_follow_ups, synthesize_user_prompts,
@@ -271,13 +272,13 @@ def _shards(out_dir: pathlib.Path, stage: str, work: Sequence[Any], plan: Corpus
     from tqdm.auto import tqdm
 
     missing = [n for n in range(math.ceil(len(work) / plan.shard_size))
-               if not _shard_path(out_dir, stage, n).is_file()]
+               if not _is_made(_shard_path(out_dir, stage, n))]
     elsewhere = []  # shards another live worker is making
     for number in tqdm(missing, desc=stage, unit="shard", disable=not progress):
         path = _shard_path(out_dir, stage, number)
         try:
             with _claim(path):
-                if path.is_file():
+                if _is_made(path):
                     continue
                 start = time.perf_counter()
                 records = make(number, work[number * plan.shard_size: (number + 1) * plan.shard_size])
@@ -362,7 +363,7 @@ def _build_rounds(target: Model, out_dir: pathlib.Path, plan: CorpusPlan, spec_t
                     _combine_rounds(out_dir, plan, done)
         except _Busy:
             busy = True
-            if not (round_dir / PROMPTS_FILE).is_file():
+            if not _is_made(round_dir / PROMPTS_FILE):
                 break  # later rounds are drawn apart from this one's prompts: not yet
         earlier += [(r["source"], r["text"]) for r in _read_jsonl(round_dir / PROMPTS_FILE)]
     return done == plan.rounds
@@ -497,9 +498,9 @@ def _round_status(out_dir: pathlib.Path, shard_size: int) -> dict[str, Any]:
                               "dataset": (out_dir / DATASET_FILE).is_file(),
                               "complete": (out_dir / MANIFEST_FILE).is_file()}
     for stage in (ANSWERS_DIR, TURN2_DIR):
-        status[stage]["done"] = len(list((out_dir / stage).glob("shard_*.jsonl")))
-    if (out_dir / PROMPTS_FILE).is_file():
-        status["prompts"] = sum(1 for line in (out_dir / PROMPTS_FILE).open(encoding="utf-8") if line.strip())
+        status[stage]["done"] = len(_shard_numbers(out_dir, stage))  # shard_NNNNN.jsonl.gz, or a legacy .jsonl
+    if _is_made(out_dir / PROMPTS_FILE):
+        status["prompts"] = sum(1 for line in _jsonl_text(out_dir / PROMPTS_FILE)[1].splitlines() if line.strip())
         status[ANSWERS_DIR]["total"] = math.ceil(status["prompts"] / shard_size)
     if (out_dir / SELECTION_FILE).is_file():
         status[TURN2_DIR]["total"] = math.ceil(len(_read_json(out_dir / SELECTION_FILE)["ids"]) / shard_size)

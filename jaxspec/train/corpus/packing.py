@@ -85,7 +85,7 @@ def _unit_hash(seed: int, key: str) -> float:
 def held_out_split(records: Sequence[Mapping[str, Any]], fraction: float,
                    seed: int) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
     """(training records, held-out records), each in the input order; records are prompt records
-    ({"source", "text", optional "template"}, as prompts.jsonl holds them).
+    ({"source", "text", optional "template"}, as prompts.jsonl.gz holds them).
 
     Disjoint by template: a self_instruct prompt is TEMPLATE.format(topic=...) (or
     passage=...), and whole templates are held out, round(fraction x templates) of every
@@ -127,7 +127,7 @@ class PackedCorpus:
     these beside them:
 
         turns      int32[N]  assistant turns in the row (1 or 2)
-        ids        str[N]    the conversation's prompt id (prompts.jsonl)
+        ids        str[N]    the conversation's prompt id (prompts.jsonl.gz)
     """
 
     data: Dataset
