@@ -8,11 +8,12 @@ Default model (SmolLM2-135M-Instruct Q4_1 GGUF; `--model` picks another of MODEL
 Gemma-3-270M, the pretrained base model, Q4_K_M GGUF, fed plain prompts without its chat
 template), batch 1, 128 greedy tokens (`ignore_eos=True`) on 5 Spec-Bench prompts from different
 categories, chat template on (for the default model). Engines:
-- jaxspec in each of `--formats` (default f32,bf16,int8), each loaded with
-  `jaxspec.load(weight_format=...)`: the GGUF dequantized to float32, then kept as float32,
-  converted to bfloat16, or quantized to int8 per row (W8A8 products on CPU). The first bf16 /
-  int8 load converts and caches; later ones restore. Each format's tokens are compared with
-  jaxspec f32's: the first token index where they differ, per prompt.
+- jaxspec in each of `--formats` (default f32,f32/xla,int8,int8/xla,bf16), each loaded with
+  `jaxspec.load(weight_format=..., products=...)`: the GGUF dequantized to float32, then kept as
+  float32, converted to bfloat16, or quantized to int8 per row (W8A8 products on CPU), its
+  products computed by the native CPU kernels (the default where they build) or by XLA (`/xla`).
+  The first bf16 / int8 load converts and caches; later ones restore. Each row's tokens are
+  compared with the first float32 row's: the first token index where they differ, per prompt.
 - transformers `generate` on the same GGUF in float32 (the reference for token equality) and in
   bfloat16, both greedy, exactly 128 tokens with EOS treated as an ordinary token (`--no-hf`
   skips both).
@@ -68,7 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from results_md import add_output_options, peer_versions, replace_section, run_stamp, weight_formats  # bench/ is on sys.path when a bench script runs
+from results_md import add_output_options, load_variant, peer_versions, replace_section, run_stamp, weight_formats  # bench/ is on sys.path when a bench script runs
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_QUESTIONS = HERE / "data" / "spec_bench" / "question.jsonl"
@@ -94,10 +95,12 @@ MODELS = {
 # One prompt (the first in file order) from each of these categories.
 CATEGORIES = ("writing", "coding", "math_reasoning", "translation", "qa")
 RERUN = ". .venv/bin/activate && python bench/decode.py"
-REFERENCE = "jaxspec f32"  # every other engine's tokens are compared with these, prompt by prompt
+# Every other engine's tokens are compared with these, prompt by prompt: the first float32 row
+# (its name carries its backend, so `main` sets it once the rows are loaded).
+REFERENCE = "jaxspec f32"
 LLAMA_CPP = "llama.cpp"
 # Rows bounded by --bf16-repeats and --slow-call: neither XLA CPU nor torch has a fast bf16 product.
-BOUNDED = ("jaxspec bf16", "HF transformers bf16")
+BOUNDED = ("jaxspec bf16 xla", "HF transformers bf16")
 LLAMA_CPP_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
                    '-DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF" pip install llama-cpp-python==0.3.36')
 
@@ -323,7 +326,7 @@ def build_report(args, prompts, prompt_lengths, runs, weight_bytes, bandwidths, 
         f"{fmt} {load_s:.1f} s / {compile_s:.1f} s" for fmt, (load_s, compile_s) in startup.items()) + ".\n")
     lines.append("| engine | decode tok/s | end-to-end tok/s | decode vs HF f32 | end-to-end vs HF f32 "
                  "| decode vs llama.cpp | weight MB/token | roofline % (copy BW) | roofline % (GEMV BW) "
-                 "| same tokens as HF f32 | first difference vs jaxspec f32, per prompt |")
+                 f"| same tokens as HF f32 | first difference vs {REFERENCE}, per prompt |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name in engines:
         r = runs[name]
@@ -337,7 +340,7 @@ def build_report(args, prompts, prompt_lengths, runs, weight_bytes, bandwidths, 
             f"| {matches.get(name, '-')} | {agreement.get(name, '(reference)')} |")
     lines.append("")
     lines.append("First difference: the 0-based index of the first token where the engine's greedy output "
-                 "differs from jaxspec f32's on that prompt, '-' if all tokens agree.\n")
+                 f"differs from {REFERENCE}'s on that prompt, '-' if all tokens agree.\n")
     if mismatches:
         lines.append("Token mismatches vs HF f32: " + "; ".join(mismatches) + ".\n")
     wb = weight_bytes[REFERENCE]
@@ -433,8 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"Spec-Bench question.jsonl (default: {DEFAULT_QUESTIONS})")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts (default 2)")
-    parser.add_argument("--formats", type=weight_formats, default=["f32", "bf16", "int8"],
-                        help="jaxspec weight formats, comma separated, f32 among them (default f32,bf16,int8)")
+    parser.add_argument("--formats", type=weight_formats, default=["f32", "f32/xla", "int8", "int8/xla", "bf16"],
+                        help="jaxspec weight formats, each optionally /xla or /native (the product backend), "
+                             "comma separated, f32 among them (default f32,f32/xla,int8,int8/xla,bf16)")
     parser.add_argument("--bf16-repeats", type=int, default=1,
                         help="passes for the bfloat16 rows, jaxspec's and HF's (default 1; 0 skips both)")
     parser.add_argument("--max-seconds", type=float, default=420,
@@ -447,16 +451,15 @@ def main(argv: list[str] | None = None) -> int:
     add_output_options(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if "f32" not in args.formats:
+    if not any(variant.partition("/")[0] == "f32" for variant in args.formats):
         parser.error("--formats must include f32: the reference for token agreement and the roofline")
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be >= 2: decode time is what follows the first token")
     if args.bf16_repeats == 0:
-        args.formats = [fmt for fmt in args.formats if fmt != "bf16"]
+        args.formats = [fmt for fmt in args.formats if not fmt.startswith("bf16")]
     began = time.perf_counter()
     load_before = os.getloadavg()
 
-    import jaxspec
     from jaxspec import checkpoints
 
     settings = MODELS[args.model]
@@ -466,12 +469,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bandwidth: copy {median(copy_samples) / 1e9:.1f} GB/s, GEMV {median(gemv_samples) / 1e9:.1f} GB/s",
           flush=True)
 
+    global REFERENCE
     models, weight_bytes, startup = {}, {}, {}
-    for fmt in args.formats:
+    for variant in args.formats:
         start = time.perf_counter()
-        model = jaxspec.load(args.model, weight_format=fmt)
+        label, model = load_variant(variant, args.model)
         load_s = time.perf_counter() - start
-        name = f"jaxspec {fmt}"
+        name = f"jaxspec {label}"
+        if label.startswith("f32") and not any(other.startswith("jaxspec f32") for other in models):
+            REFERENCE = name
         models[name] = model
         weight_bytes[name] = sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
         # Warm up: the first call compiles (reported); one call per distinct prompt bucket so that
@@ -483,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                 warmed.add(bucket)
                 r = run_jaxspec(model, text, args.max_new_tokens, settings.chat)
                 compile_s = r["compile_s"] if compile_s is None else compile_s
-        startup[fmt] = (load_s, compile_s)
+        startup[label] = (load_s, compile_s)
         print(f"{name}: load {load_s:.1f} s, first-call compile {compile_s:.1f} s", flush=True)
     tokenizer = models[REFERENCE].tokenizer
     ids = [encode(tokenizer, text, settings.chat) for _, _, text in prompts]

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts decoded online, sources in turn")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3)
-    parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8"))
+    parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8", "q4"))
     parser.add_argument("--seed", type=int, default=0)
     add_output_options(parser)
     args = parser.parse_args(argv)

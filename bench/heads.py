@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timing-k", type=int, default=4)
     parser.add_argument("--timing-tree", nargs="*", default=[], metavar="D,K,N",
                         help="also time these draft-tree shapes (each head, and with each --lookup-first)")
-    parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8"))
+    parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8", "q4"))
     parser.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS)
     add_output_options(parser)
     args = parser.parse_args(argv)

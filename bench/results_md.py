@@ -1,6 +1,8 @@
 """Shared by the bench scripts: bench/RESULTS.md holds one `## ` section per script, each script
 replacing only its own; the output options every script takes (`add_output_options`); the peer
-library versions a report names; and the `--formats` option (which weight formats a script runs)."""
+library versions a report names; the CPU a figure ran on (model and ISA flags: the same code ran 2x
+apart on two CPUs here); and the `--formats` option (which weight formats, on which product
+backends, a script runs)."""
 
 from __future__ import annotations
 
@@ -58,8 +60,29 @@ def run_stamp(load: tuple[float, float], *, commit: str | None = None, detail: s
     run), then `detail` about how the run was timed, inside the same parenthesis."""
     measured = f", jaxspec {commit}" if commit else ""
     how = f"; {detail}" if detail else ""
-    return (f"{datetime.date.today().isoformat()}{measured}; {platform.machine()}, {os.cpu_count()} cores, shared "
+    return (f"{datetime.date.today().isoformat()}{measured}; {cpu_description()}, {os.cpu_count()} cores, shared "
             f"(1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end{how}).")
+
+
+# The ISA flags (as /proc/cpuinfo names them) that decide a CPU's matmul speed.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+             "amx_int8", "amx_bf16")
+
+
+def cpu_description() -> str:
+    """"<CPU model> [flags ...]" from /proc/cpuinfo (the machine architecture where it has none)."""
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return platform.machine()
+    def field(name: str) -> str | None:
+        found = re.search(rf"^{name}\s*:\s*(.+)$", info, re.M)
+        return found.group(1).strip() if found else None
+
+    present = set((field("flags") or "").split())
+    shown = [flag for flag in ISA_FLAGS if flag in present]
+    family = f" (family {field('cpu family')} model {field('model')})" if field("cpu family") else ""
+    return f"{field('model name') or platform.machine()}{family} [{' '.join(shown) or 'no AVX2'}]"
 
 
 def peer_versions() -> str:
@@ -74,19 +97,35 @@ def peer_versions() -> str:
 
 
 def weight_formats(text: str) -> list[str]:
-    """argparse type for `--formats`: "f32,bf16,int8" -> ["f32", "bf16", "int8"], each a concrete
-    jaxspec weight format ("auto" resolved for this backend), duplicates dropped, order kept."""
+    """argparse type for `--formats`: "f32,int8/xla,bf16" -> ["f32", "int8/xla", "bf16"]: each a
+    concrete jaxspec weight format ("auto" resolved for this backend), optionally with the product
+    backend to load it on after a slash (jaxspec.models.backends: auto, the default, xla or
+    native); duplicates dropped, order kept. `load_variant` loads one."""
     import argparse
 
     from jaxspec.errors import InvalidRequestError
+    from jaxspec.models.backends import Products
     from jaxspec.models.quant import WeightFormat
 
     names = []
     for item in text.split(","):
+        fmt, _, products = item.strip().lower().partition("/")
         try:
-            name = WeightFormat.parse(item.strip().lower()).resolve().value
+            name = WeightFormat.parse(fmt).resolve().value
+            if products and Products.parse(products) is not Products.AUTO:
+                name += f"/{Products.parse(products).value}"
         except InvalidRequestError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
         if name not in names:
             names.append(name)
     return names
+
+
+def load_variant(variant: str, model: str | None = None):
+    """One `--formats` entry loaded: (label, Model), the label "<format> <backend>" as resolved
+    here (e.g. "int8 native", "bf16 xla")."""
+    import jaxspec
+
+    fmt, _, products = variant.partition("/")
+    loaded = jaxspec.load(*([model] if model else []), weight_format=fmt, products=products or "auto")
+    return f"{fmt} {loaded.products.name.value}", loaded

@@ -748,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree-cost-nodes", type=int, nargs="*", default=[4, 8, 16, 32, 64],
                         help="tree sizes N whose verify (T = 1 + N) is timed")
     parser.add_argument("--no-hf", action="store_true", help="jaxspec only")
-    parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8"),
+    parser.add_argument("--weight-format", default="f32", choices=("f32", "bf16", "int8", "q4"),
                         help="the target's weights (heads follow); each format has its own RESULTS.md section")
     parser.add_argument("--no-layer-skip", action="store_true")
     parser.add_argument("--section", default=None,

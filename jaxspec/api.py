@@ -24,7 +24,8 @@ from jaxspec import grammar as grammar_lib
 from jaxspec.cache import KVFormat
 from jaxspec.errors import InvalidRequestError, check_text, is_integer
 from jaxspec.model import Model, layer_skip, lm_head_of, on_mesh_of, with_weight_format
-from jaxspec.models import quant
+from jaxspec.models import backends, quant
+from jaxspec.models.backends import Products
 from jaxspec.models.qwen35 import Qwen35Config
 from jaxspec.models.layers import fuse_projections
 from jaxspec.models.quant import WeightFormat
@@ -45,19 +46,26 @@ DEFAULT_MODEL = "smollm2-135m"
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKENS_BUCKET = 128
 MIN_STOP_IDS_BUCKET = 8  # stop token ids (EOS included) travel as a padded array
+ROUND_ROOM = 64  # cache slots past the new tokens' bucket come in blocks of this many (prepare)
 
 
 def load(name_or_path: str = DEFAULT_MODEL, *, weight_format: WeightFormat | str = WeightFormat.AUTO,
-         use_cache: bool = True, progress: bool = False) -> Model:
+         products: Products | str = Products.AUTO, use_cache: bool = True, progress: bool = False) -> Model:
     """Load a model: "smollm2-135m" (the default), a GGUF file, an HF or a converted directory; or a
     draft head: "eagle3-smollm2-135m" (shipped), an EAGLE-3 head or a trained MTP head directory.
 
-    `weight_format` (jaxspec.models.quant): "f32", "bf16", "int8" (W8A8 on CPU, W8A16 on GPU), or
+    `weight_format` (jaxspec.models.quant): "f32", "bf16", "int8" (W8A8 on CPU, W8A16 on GPU), "q4"
+    (4-bit blocks, W4A8 on CPU), or
     "auto": f32 on CPU and bf16 on GPU (a converted directory: the format it stores). A draft
     loaded with "auto" runs in its target's format. Q/K/V and gate/up are fused into one product
     each (`layers.fuse_projections`).
+
+    `products` (jaxspec.models.backends): which code computes the weight products. "auto": the
+    native CPU kernels for f32, int8 and q4 weights on a CPU where they build, else XLA's; "xla";
+    "native" (refused by name where it cannot serve). The Model's `products` says which it got.
     """
     weight_format = WeightFormat.parse(weight_format)
+    products = Products.parse(products)
     for flag_name, value in (("use_cache", use_cache), ("progress", progress)):
         if not isinstance(value, bool):
             raise InvalidRequestError(f"load's {flag_name} must be True or False; got {value!r:.40}")
@@ -67,8 +75,10 @@ def load(name_or_path: str = DEFAULT_MODEL, *, weight_format: WeightFormat | str
         return head
     ckpt = checkpoints.load_checkpoint(path, use_cache=use_cache, progress=progress, weight_format=weight_format)
     tokenizer = Tokenizer.from_checkpoint_source(ckpt.tokenizer_source, origin=ckpt.source)  # None: ids only
-    return Model(config=ckpt.config, params=fuse_projections(ckpt.params), tokenizer=tokenizer,
-                 source=str(ckpt.source), weight_format=weight_format)
+    params = fuse_projections(ckpt.params)
+    params = backends.apply(params, backends.resolve(products, quant.format_of(params)))
+    return Model(config=ckpt.config, params=params, tokenizer=tokenizer, source=str(ckpt.source),
+                 weight_format=weight_format)
 
 
 def _load_head_dir(path, weight_format: WeightFormat = WeightFormat.AUTO) -> Model | None:
@@ -320,7 +330,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     # A round writes k + 1 slots (a tree: 1 + num_nodes, or its drafter's scratch slots),
     # padded to the weights' token lanes (LoopSpec.round_width). The Qwen3.5 hybrid is not
     # padded: its recorded-state ring holds k + 2 steps, not the filler.
-    lanes = 1 if isinstance(cfg, Qwen35Config) else quant.token_lanes(model.params)
+    lanes = 1 if isinstance(cfg, Qwen35Config) else backends.of_params(model.params).token_lanes
     round_width = loop.LoopSpec(cfg=cfg, capacity=0, sampler=sampler, proposer=speculation.proposer,
                                 token_lanes=lanes).round_width
     reach = k if options.tree is None else round_width - 1
@@ -342,9 +352,12 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     stop_ids[: len(stop_token_ids)] = stop_token_ids
     prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
     # Decode attention reads all S slots every step, so S is the prompt bucket plus a bucket of
-    # the new tokens plus a round's width, not a power of two of the sum (1024 + 132 would become 2048).
-    capacity = min(prompt_bucket + _bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET) + round_width - 1,
-                   cfg.max_position_embeddings)
+    # the new tokens plus room for a round's writes, not a power of two of the sum (1024 + 132
+    # would become 2048). The room is whole blocks of ROUND_ROOM slots, so plain decoding and a
+    # speculative run of up to ROUND_ROOM - 1 drafts share S: attention sums over all S slots, and
+    # a step's logits are bitwise a verify's only at the same S (width-invariant products).
+    room = -(-round_width // ROUND_ROOM) * ROUND_ROOM
+    capacity = min(prompt_bucket + _bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET) + room, cfg.max_position_embeddings)
     _check_cache_fits(cfg, options.kv_format, batch, capacity, plan)
     padded = np.zeros((batch, prompt_bucket), np.int32)
     for i, r in enumerate(rows):

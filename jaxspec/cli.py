@@ -18,6 +18,8 @@ import sys
 from jaxspec import api, checkpoints, compilation, distributed, sharding
 from jaxspec.errors import InvalidRequestError, JaxspecError
 from jaxspec.model import shard
+from jaxspec.models import backends
+from jaxspec.models.backends import Products
 from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
 from jaxspec.score import score
@@ -27,8 +29,13 @@ from jaxspec.spec.tree import DraftTree
 EXIT_BAD_INPUT = 2
 WEIGHT_FORMAT_FLAG = dict(
     choices=[f.value for f in WeightFormat], default=WeightFormat.AUTO.value,
-    help="the model's weights: auto (default: f32 on CPU, bf16 on GPU), f32, bf16, or int8 (W8A8 on CPU); "
+    help="the model's weights: auto (default: f32 on CPU, bf16 on GPU), f32, bf16, int8 (W8A8 on CPU), or q4 "
+         "(4-bit blocks, W4A8 on CPU); "
          "a draft follows the model's")
+PRODUCTS_FLAG = dict(
+    choices=[p.value for p in Products], default=Products.AUTO.value,
+    help="which code computes the weight products: auto (default: the native CPU kernels for f32 and int8 "
+         "weights on a CPU where they build, else XLA's), xla, or native")
 DEFAULTS = GenerateOptions()
 # What `--draft` must name for each method that needs one.
 DRAFT_FOR = {Method.DRAFT: "--draft MODEL (a draft model sharing the vocabulary)",
@@ -90,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the model's chat template (default: on when the model has one)")
     gen.add_argument("--weight-format", **WEIGHT_FORMAT_FLAG)
+    gen.add_argument("--products", **PRODUCTS_FLAG)
     gen.add_argument("-q", "--quiet", action="store_true", help="no 'compiling ...' notice on stderr")
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="after the text, each token's log-prob and its N most likely alternatives")
@@ -111,8 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'smollm2-135m' (default), a .gguf file, an HF or a converted directory")
     scorer.add_argument("--json", action="store_true", help="one JSON object: the tokens, their log-probs, perplexity")
     scorer.add_argument("--weight-format", **WEIGHT_FORMAT_FLAG)
+    scorer.add_argument("--products", **PRODUCTS_FLAG)
 
-    info = commands.add_parser("info", help="describe a checkpoint from its headers")
+    info = commands.add_parser("info", help="describe a checkpoint from its headers, and this machine's product "
+                                            "backends (native CPU kernels: built, instruction set, threads)")
     info.add_argument("model", nargs="?", default=api.DEFAULT_MODEL)
 
     convert = commands.add_parser("convert", help="convert a GGUF or HF checkpoint to a jaxspec directory")
@@ -265,7 +275,7 @@ def _generate(args) -> None:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
         logprobs=args.logprobs, regex=args.regex, json_schema=json_schema, choices=args.choice)
-    model = api.load(args.model, weight_format=args.weight_format, progress=main_process)
+    model = api.load(args.model, weight_format=args.weight_format, products=args.products, progress=main_process)
     if mesh_sizes is not None:
         model = shard(model, sharding.make_mesh(**mesh_sizes))  # a draft follows the target's mesh
     if args.method == Method.MTP:  # the head lives in a target's directory (no --draft: the model's own)
@@ -311,7 +321,7 @@ def _print_logprobs(logprobs, tokenizer) -> None:
 
 
 def _score(args) -> None:
-    model = api.load(args.model, weight_format=args.weight_format, progress=True)
+    model = api.load(args.model, weight_format=args.weight_format, products=args.products, progress=True)
     result = score(model, args.text)
     # The first token is context only; each later one is scored given everything before it.
     scored = [{"id": int(token), "text": model.tokenizer.decode([token], skip_special_tokens=False),
@@ -430,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "score":
             _score(args)
         elif args.command == "info":
-            print(json.dumps(checkpoints.info(args.model), indent=2))
+            print(json.dumps(checkpoints.info(args.model) | {"products": backends.describe_machine()}, indent=2))
         elif args.command == "convert":
             out = checkpoints.convert(args.source, args.output, overwrite=args.overwrite, progress=True,
                                       weight_format=args.weight_format)

@@ -14,7 +14,8 @@ from typing import Any
 import jax
 
 from jaxspec.errors import InvalidRequestError, is_integer
-from jaxspec.models import layers, quant
+from jaxspec.models import backends, layers, quant
+from jaxspec.models.backends import Backend, Products
 from jaxspec.models.quant import WeightFormat
 from jaxspec.sharding import Plan, ShardingError, laid_out_for, place_params, plan_for
 from jaxspec.tokenizer import Tokenizer
@@ -35,6 +36,12 @@ class Model:
     # Where the params lie over a device mesh (`jaxspec.shard`); None: one device.
     sharding: Plan | None = None
 
+    @property
+    def products(self) -> Backend:
+        """The product backend the params are laid out for (chosen at load,
+        jaxspec.models.backends), with what it declares: token lanes, width invariance."""
+        return backends.of_params(self.params)
+
 
 def shard(model: Model, mesh, rules=None) -> Model:
     """`model` with its params laid out over `mesh` (a `jax.sharding.Mesh`, e.g.
@@ -48,7 +55,8 @@ def shard(model: Model, mesh, rules=None) -> Model:
     if not isinstance(model, Model):
         raise InvalidRequestError(f"shard takes a jaxspec Model (from jaxspec.load); got {type(model).__name__}")
     plan = plan_for(model.config, mesh, rules)
-    config, params = laid_out_for(model.config, model.params, plan)
+    # The native CPU kernels serve one device: a sharded model runs XLA's products.
+    config, params = laid_out_for(model.config, backends.standard(model.params), plan)
     return dataclasses.replace(model, config=config, params=place_params(params, plan), sharding=plan)
 
 
@@ -73,19 +81,25 @@ def lm_head_of(model: Model) -> jax.Array:
 
 # Drafts converted to a target's format, kept per draft Model so a repeated generate call
 # converts once (a Model is hashable by identity; the entry goes when the draft does).
-_CONVERTED_DRAFTS: "weakref.WeakKeyDictionary[Model, dict[WeightFormat, Model]]" = weakref.WeakKeyDictionary()
+_CONVERTED_DRAFTS: "weakref.WeakKeyDictionary[Model, dict[tuple[WeightFormat, Products], Model]]" = (
+    weakref.WeakKeyDictionary())
 
 
 def with_weight_format(draft: Model, target: Model) -> Model:
     """The draft in the format it runs in beside `target`: its own when it was loaded with an
-    explicit weight format, else the target's (converted once, then reused)."""
+    explicit weight format, else the target's (converted once, then reused); and on the target's
+    product backend where that serves the draft's format."""
     fmt = quant.format_of(target.params)
-    if draft.weight_format is not WeightFormat.AUTO or quant.format_of(draft.params) is fmt:
+    if draft.weight_format is not WeightFormat.AUTO:
+        fmt = quant.format_of(draft.params)
+    products = backends.resolve(target.products.name, fmt) if target.products.name is Products.NATIVE else Products.XLA
+    if quant.format_of(draft.params) is fmt and draft.products.name is products:
         return draft
     converted = _CONVERTED_DRAFTS.setdefault(draft, {})
-    if fmt not in converted:
-        converted[fmt] = dataclasses.replace(convert_weights(draft, fmt), weight_format=WeightFormat.AUTO)
-    return converted[fmt]
+    if (fmt, products) not in converted:
+        converted[(fmt, products)] = dataclasses.replace(convert_weights(draft, fmt, products),
+                                                         weight_format=draft.weight_format)
+    return converted[(fmt, products)]
 
 
 # Drafts laid out on a target's mesh, kept per draft Model like _CONVERTED_DRAFTS.
@@ -116,12 +130,17 @@ def on_mesh_of(draft: Model, target: Model) -> Model:
     return placed[plan]
 
 
-def convert_weights(model: Model, weight_format: WeightFormat | str) -> Model:
+def convert_weights(model: Model, weight_format: WeightFormat | str, products: Products | str | None = None) -> Model:
     """`model` with its linear weights in `weight_format` ("f32", "bf16", "int8"; "auto" is
     this platform's) and q/k/v, gate/up fused (`layers.fuse_projections`), as `load` gives
-    them. Converting to int8 and back to f32 keeps int8's rounding."""
+    them, laid out for `products` (jaxspec.models.backends; None: the model's own backend where
+    it serves the new format, else XLA). Converting to int8 and back to f32 keeps int8's rounding."""
     fmt = WeightFormat.parse(weight_format)
-    params = layers.fuse_projections(quant.convert(model.params, fmt))
+    params = layers.fuse_projections(quant.convert(backends.standard(model.params), fmt))
+    if products is None:
+        products = Products.AUTO if model.products.name is Products.NATIVE else Products.XLA
+    params = backends.apply(params, backends.resolve(products, quant.format_of(params),
+                                                     sharded=model.sharding is not None))
     converted = dataclasses.replace(model, params=params, weight_format=fmt)
     if model.sharding is not None:  # back onto the mesh, unfused where split
         converted = dataclasses.replace(converted, params=place_params(params, model.sharding))

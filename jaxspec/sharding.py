@@ -166,6 +166,9 @@ class Plan:
 def _leaf_sharding(plan: Plan, axes: Axes, leaf: Any) -> Any:
     if isinstance(leaf, quant.Int8Weight):
         return quant.Int8Weight(values=plan.sharding(axes), scales=plan.sharding(axes[:1]))
+    if isinstance(leaf, quant.Q4Weight):  # split by rows only: a q4 block never straddles devices
+        rows = plan.sharding((axes[0], None))
+        return quant.Q4Weight(codes=rows, scales=rows, mins=rows, in_features=leaf.in_features)
     return plan.sharding(axes)
 
 

@@ -130,6 +130,32 @@ def tiny_model() -> Model:
     return Model(config=TINY, params=llama.init_params(TINY, jax.random.PRNGKey(0), scale=0.2))
 
 
+def random_drafts(method: str) -> dict:
+    """generate's draft arguments for `method` beside a TINY target, each draft random and in AUTO
+    (so it follows its target's weight format and product backend)."""
+    import dataclasses
+
+    import jaxspec
+    from jaxspec.models import eagle3, mtp
+
+    if method == "draft":
+        cfg = dataclasses.replace(TINY, num_layers=1, dim=32, num_heads=2, num_kv_heads=1, ffn_dim=48)
+        return dict(draft_params=jaxspec.Model(config=cfg, params=llama.init_params(cfg, jax.random.PRNGKey(7),
+                                                                                     scale=0.2)))
+    if method == "eagle3":
+        cfg = eagle3.Eagle3Config(dim=TINY.dim, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64,
+                                  draft_vocab_size=TINY.vocab_size, vocab_size=TINY.vocab_size, rope_theta=10000.0,
+                                  rotary_dim=16, norm_eps=1e-5, max_position_embeddings=256, aux_layer_ids=(0, 0, 1))
+        return dict(draft_params=jaxspec.Model(config=cfg, params=eagle3.init_params(cfg, jax.random.PRNGKey(2),
+                                                                                      scale=0.2)))
+    if method == "mtp":
+        cfg = mtp.MtpConfig(block=TINY)
+        return dict(draft_params=jaxspec.Model(config=cfg, params=mtp.init_params(cfg, jax.random.PRNGKey(3))))
+    if method == "layer_skip":
+        return dict(method="layer_skip", exit_layer=1)
+    return dict(method="ngram")
+
+
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 
 

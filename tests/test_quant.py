@@ -15,10 +15,11 @@ import pytest
 import jaxspec
 from jaxspec.cache import KVCache
 from jaxspec.errors import InvalidRequestError
-from jaxspec.models import eagle3, layers, llama, mtp, quant, qwen35
+from jaxspec.models import layers, llama, quant, qwen35
 from jaxspec.models.quant import WeightFormat
 from jaxspec.spec import loop
-from tests.conftest import ENGINE_COMPILER_OPTIONS, HYBRID_CONFIG, TINY, max_relative_error, requires_default_model
+from tests.conftest import (ENGINE_COMPILER_OPTIONS, HYBRID_CONFIG, TINY, max_relative_error, random_drafts,
+                            requires_default_model)
 
 RNG = np.random.default_rng(0)
 
@@ -172,7 +173,7 @@ def test_convert_touches_linear_weights_only_and_shape_structs_match():
 
 
 def test_unknown_weight_format_is_refused_by_name():
-    choices = r"\['auto', 'f32', 'bf16', 'int8'\]"
+    choices = r"\['auto', 'f32', 'bf16', 'int8', 'q4'\]"
     with pytest.raises(InvalidRequestError, match=rf"unknown weight format 'int4'; choose from {choices}"):
         WeightFormat.parse("int4")
     with pytest.raises(InvalidRequestError, match="unknown weight format"):
@@ -308,26 +309,6 @@ def int8_target(tiny_model):
     return jaxspec.convert_weights(tiny_model, "int8")
 
 
-def _drafts(method: str) -> dict:
-    """generate's draft arguments for `method`, each draft random, in AUTO (so it follows the target)."""
-    if method == "draft":
-        cfg = dataclasses.replace(TINY, num_layers=1, dim=32, num_heads=2, num_kv_heads=1, ffn_dim=48)
-        return dict(draft_params=jaxspec.Model(config=cfg, params=llama.init_params(cfg, jax.random.PRNGKey(7),
-                                                                                     scale=0.2)))
-    if method == "eagle3":
-        cfg = eagle3.Eagle3Config(dim=TINY.dim, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64,
-                                  draft_vocab_size=TINY.vocab_size, vocab_size=TINY.vocab_size, rope_theta=10000.0,
-                                  rotary_dim=16, norm_eps=1e-5, max_position_embeddings=256, aux_layer_ids=(0, 0, 1))
-        return dict(draft_params=jaxspec.Model(config=cfg, params=eagle3.init_params(cfg, jax.random.PRNGKey(2),
-                                                                                      scale=0.2)))
-    if method == "mtp":
-        cfg = mtp.MtpConfig(block=TINY)
-        return dict(draft_params=jaxspec.Model(config=cfg, params=mtp.init_params(cfg, jax.random.PRNGKey(3))))
-    if method == "layer_skip":
-        return dict(method="layer_skip", exit_layer=1)
-    return dict(method="ngram")
-
-
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42, 40, 41, 42], [9, 8, 7, 6, 5, 4, 30, 31, 9, 8, 7]]
 
 
@@ -335,7 +316,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42, 40, 41, 42], [9
 def test_int8_speculation_equals_int8_plain_greedy_on_a_ragged_batch(int8_target, method):
     plain = jaxspec.generate(int8_target, None, PROMPTS, max_new_tokens=20, ignore_eos=True)
     spec = jaxspec.generate(int8_target, prompt=PROMPTS, max_new_tokens=20, ignore_eos=True, num_draft_tokens=3,
-                            **_drafts(method))
+                            **random_drafts(method))
     assert spec.tokens == plain.tokens
     assert spec.stats.method == method and spec.stats.proposed > 0
 

@@ -18,6 +18,7 @@ import pytest
 
 import jaxspec
 from jaxspec.config import ModelConfig
+from jaxspec.cpu import kernels as cpu_kernels
 from jaxspec import models
 from jaxspec.models import eagle3, llama, mtp
 from jaxspec.sampling import SamplingParams, distribution, spec_for
@@ -113,6 +114,23 @@ def test_speculative_sampling_matches_the_exact_distribution(target, draft, name
     draft_model = draft if method["method"] == "draft" else None
     stats = assert_lossless(target, draft_model, settings, **method)
     assert stats.accepted > 0  # drafts do get accepted: the acceptance path is exercised
+
+
+# The same proof on the native CPU kernels (the product backend is data: the draft in AUTO follows
+# its target onto it), int8 and q4 weights: one drafting method and one lookup each.
+NATIVE_CASES = [("int8-draft-sample-t1.0", "int8", dict(temperature=1.0), dict(method="draft")),
+                ("q4-ngram-t0.7-topk5", "q4", dict(temperature=0.7, top_k=5), dict(method="ngram"))]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(notice=False), reason="native CPU kernels unavailable")
+@pytest.mark.parametrize("name, fmt, settings, method", NATIVE_CASES, ids=[c[0] for c in NATIVE_CASES])
+def test_speculative_sampling_on_native_products_matches_the_exact_distribution(target, draft, name, fmt, settings,
+                                                                                method):
+    native = jaxspec.convert_weights(target, fmt, products="native")
+    assert native.products.name.value == "native"
+    draft_model = draft if method["method"] == "draft" else None
+    stats = assert_lossless(native, draft_model, settings, **method)
+    assert stats.accepted > 0
 
 
 def small_eagle3_head(draft_vocab_size: int) -> jaxspec.Model:

@@ -39,6 +39,11 @@ The formats:
   float32's time (bench/tcost.py): XLA's int8 dot is far from streaming 4x fewer bytes 4x faster.
   On GPU the product is W8A16 (jaxspec.pallas.int8_matmul): weights converted to bfloat16 on the
   way in.
+- "q4": 4 bits a weight, in the same rotated basis as int8: blocks of Q4_BLOCK inputs along each
+  row, each with a float16 scale d and minimum m, w = q d + m for codes q in [0, 15] (llama.cpp's
+  Q4_1 layout of values, rotated). Inputs are zero-padded to whole blocks (exact: the padded
+  inputs are zero). On CPU the native kernel (jaxspec.cpu) multiplies the codes by per-token int8
+  activations; elsewhere the weight is dequantized inside the program (correct, not fast).
 - "auto": f32 on CPU, bf16 on GPU and TPU (`WeightFormat.resolve`).
 """
 
@@ -54,6 +59,7 @@ import numpy as np
 from flax import struct
 
 from jaxspec.choice import Choice
+from jaxspec.cpu.packing import PackedWeight, packed_rows
 from jaxspec.errors import InvalidRequestError
 from jaxspec.models.params import is_shape
 
@@ -67,6 +73,8 @@ INT8_MAX = 127  # symmetric: codes in [-127, 127], so negation never overflows
 # 8 tokens (`loop.padded_tokens`): every token then takes the vector path, in a step as in a
 # verify. Reductions over features are the other half: see `layers.feature_sum`.
 TOKEN_LANES = 8
+Q4_BLOCK = 32  # inputs per q4 scale and minimum
+Q4_LEVELS = 15  # the largest q4 code
 ROTATION_BLOCK = 64  # the Hadamard block along an int8 weight's input axis (module docstring)
 
 
@@ -75,6 +83,7 @@ class WeightFormat(Choice):
     F32 = "f32"
     BF16 = "bf16"
     INT8 = "int8"
+    Q4 = "q4"
 
     @classmethod
     def label(cls) -> str:
@@ -102,7 +111,23 @@ class Int8Weight:
         return tuple(self.values.shape)
 
 
-Weight = jax.Array | Int8Weight
+@struct.dataclass
+class Q4Weight:
+    """A weight matrix [O, I] in 4-bit blocks, in the basis rotated along I (module docstring):
+    row o's inputs [32 b, 32 b + 32) are codes * scales[o, b] + mins[o, b], codes in [0, 15]."""
+
+    codes: jax.Array  # uint8[O, I_pad / 2]: two codes a byte, input 2i in the low nibble
+    scales: jax.Array  # float16[O, I_pad / 32]
+    mins: jax.Array  # float16[O, I_pad / 32]
+    in_features: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.codes.shape[0], self.in_features)
+
+
+# A PackedWeight is any format laid out for the native CPU kernels (jaxspec.models.backends).
+Weight = jax.Array | Int8Weight | Q4Weight | PackedWeight
 
 
 def rotation_block(in_features: int) -> int:
@@ -142,18 +167,49 @@ def quantize_rows(w: Any) -> Int8Weight:
     return Int8Weight(values=values, scales=scales)
 
 
+def quantize_q4(w: np.ndarray) -> Q4Weight:
+    """4-bit blocks of a float matrix [O, I] on the host, rotated along I (`hadamard`): per block of
+    Q4_BLOCK inputs (the row zero-padded to whole blocks) the float16 minimum m and scale
+    d = (max - min) / 15, and codes rint((w - m) / d) in [0, 15] against the stored (rounded) d, m."""
+    rotated = hadamard(np.asarray(w, np.float32), axis=1)
+    rows, in_features = rotated.shape
+    blocks = -(-in_features // Q4_BLOCK)
+    padded = np.zeros((rows, blocks * Q4_BLOCK), np.float32)
+    padded[:, :in_features] = rotated
+    grouped = padded.reshape(rows, blocks, Q4_BLOCK)
+    low, high = grouped.min(axis=2), grouped.max(axis=2)
+    limit = float(np.finfo(np.float16).max)
+    mins = np.clip(low, -limit, limit).astype(np.float16)
+    scales = np.clip((high - low) / Q4_LEVELS, 0, limit).astype(np.float16)
+    step = scales.astype(np.float32)[:, :, None]
+    codes = np.where(step > 0, np.rint((grouped - mins.astype(np.float32)[:, :, None]) / np.where(step > 0, step, 1)), 0)
+    codes = np.clip(codes, 0, Q4_LEVELS).astype(np.uint8).reshape(rows, -1)
+    return Q4Weight(codes=codes[:, 0::2] | (codes[:, 1::2] << 4), scales=scales, mins=mins, in_features=in_features)
+
+
+def _q4_rows(w: Q4Weight) -> Any:
+    """The rotated float32 rows [..., I] a Q4Weight (or a gather of its rows) stands for."""
+    xp = np if isinstance(w.codes, np.ndarray) else jnp
+    low, high = w.codes & 0x0F, w.codes >> 4
+    codes = xp.stack([low, high], axis=-1).reshape(*w.codes.shape[:-1], -1, Q4_BLOCK)  # [..., NB, 32]
+    values = codes.astype(xp.float32) * w.scales.astype(xp.float32)[..., None] + w.mins.astype(xp.float32)[..., None]
+    return values.reshape(*w.codes.shape[:-1], -1)[..., : w.in_features]
+
+
 def take_rows(w: Weight | None, index: np.ndarray) -> Weight | None:
     """The weight's rows `index` int[O'] (a permutation or a repetition), in its own format, on the
     host: an int8 weight's scales go with its rows (each row is quantized on its own, so this is exact)."""
     if w is None:
         return None
-    if isinstance(w, Int8Weight):
-        return Int8Weight(values=take_rows(w.values, index), scales=take_rows(w.scales, index))
+    if isinstance(w, Int8Weight | Q4Weight):  # every field is per row
+        return jax.tree.map(lambda field: np.asarray(field)[index], w)
     return np.asarray(w)[index]
 
 
 def dequantize(w: Weight) -> jax.Array:
     """The float32 matrix a weight stands for."""
+    if isinstance(w, Q4Weight):
+        return hadamard(_q4_rows(w), axis=1)
     if isinstance(w, Int8Weight):
         return hadamard(w.values.astype(np.float32) * w.scales[:, None], axis=1)
     return w.astype(np.float32)
@@ -181,7 +237,16 @@ def _w8a8(w: Int8Weight, x: jax.Array) -> jax.Array:
 
 
 def matmul(w: Weight, x: jax.Array) -> jax.Array:
-    """w [O, I] @ x [I, N] -> float32 [O, N], in the weight's format (module docstring)."""
+    """w [O, I] @ x [I, N] -> float32 [O, N], in the weight's format (module docstring), by the
+    backend its layout is for (jaxspec.models.backends)."""
+    if isinstance(w, PackedWeight):
+        from jaxspec.cpu import kernels
+
+        product = {"f32": kernels.f32_matmul, "int8": kernels.int8_matmul, "q4": kernels.q4_matmul}[w.kind]
+        return product(w, x.astype(jnp.float32))  # int8 and q4 rotate x themselves
+    if isinstance(w, Q4Weight):  # W4A8 as the native kernel computes it; dequantized in the program
+        codes, token_scales = quantize_tokens(hadamard(x.astype(jnp.float32), axis=0))
+        return (_q4_rows(w) @ codes.astype(jnp.float32)) * token_scales[None, :]
     if isinstance(w, Int8Weight):
         if jax.default_backend() == "cpu":
             return _w8a8(w, x)
@@ -251,28 +316,33 @@ _bf16_matmul.defvjp(_bf16_matmul_forward, _bf16_matmul_backward)
 
 
 def embedding_rows(table: Weight, tokens: jax.Array) -> jax.Array:
-    """Rows of an embedding table [V, D] for int32 ids [M] -> float32 [M, D]; an int8 table
-    gathers int8 rows, scales them and rotates them back."""
-    if isinstance(table, Int8Weight):
-        rows = jnp.take(table.values, tokens, axis=0).astype(jnp.float32)  # [M, D], rotated
-        return hadamard(rows * jnp.take(table.scales, tokens)[:, None], axis=1)
+    """Rows of an embedding table [V, D] for int32 ids [M] -> float32 [M, D]; a quantized table
+    gathers its rows in its own format and dequantizes only those."""
+    if isinstance(table, PackedWeight):
+        fields = packed_rows(table, tokens)  # the rows in the standard layout's fields
+        if table.kind == "f32":
+            return fields[0]
+        rows = Int8Weight(*fields) if table.kind == "int8" else Q4Weight(*fields, in_features=table.in_features)
+        return dequantize(rows)
+    if isinstance(table, Int8Weight | Q4Weight):
+        return dequantize(jax.tree.map(lambda field: jnp.take(field, tokens, axis=0), table))
     return jnp.take(table, tokens, axis=0).astype(jnp.float32)
 
 
 def concat_rows(*weights: Weight) -> Weight:
     """Weights [O_i, I] of one format stacked into [sum O_i, I] (numpy or jax arrays)."""
-    if isinstance(weights[0], Int8Weight):
-        return Int8Weight(values=concat_rows(*(w.values for w in weights)),
-                          scales=concat_rows(*(w.scales for w in weights)))
+    if isinstance(weights[0], Int8Weight | Q4Weight):  # every field is per row
+        return jax.tree.map(concat_rows, *weights)
     xp = np if all(isinstance(w, np.ndarray) for w in weights) else jnp
     return xp.concatenate(weights, axis=0)
 
 
 def split_rows(weight: Weight, boundaries: tuple[int, ...]) -> list[Weight]:
     """`concat_rows` undone: a weight's rows split at `boundaries`."""
-    if isinstance(weight, Int8Weight):
-        return [Int8Weight(values=values, scales=scales) for values, scales in
-                zip(split_rows(weight.values, boundaries), split_rows(weight.scales, boundaries), strict=True)]
+    if isinstance(weight, Int8Weight | Q4Weight):  # every field is per row
+        fields, treedef = jax.tree.flatten(weight)
+        parts = [split_rows(field, boundaries) for field in fields]
+        return [jax.tree.unflatten(treedef, part) for part in zip(*parts, strict=True)]
     xp = np if isinstance(weight, np.ndarray) else jnp
     return xp.split(weight, boundaries, axis=0)
 
@@ -284,19 +354,25 @@ def split_rows(weight: Weight, boundaries: tuple[int, ...]) -> list[Weight]:
 
 def weight_leaves(params: Any) -> list[Any]:
     """A params tree's leaves with each Int8Weight kept whole (one leaf per param)."""
-    return jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, Int8Weight))
+    return jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, Int8Weight | Q4Weight | PackedWeight))
 
 
 def _convert_leaf(leaf: Any, fmt: WeightFormat) -> Any:
-    """One linear param (an array, a numpy array or an Int8Weight) in `fmt`. The arithmetic runs
+    """One linear param (an array, a numpy array, an Int8Weight or a Q4Weight) in `fmt`. The arithmetic runs
     in numpy on the host whatever the leaf is (a device leaf goes back to the device), so a
-    checkpoint converted at load and a loaded Model converted later get the same codes."""
+    checkpoint converted at load and a loaded Model converted later get the same codes. Weights
+    packed for the native kernels are unpacked first (`backends.standard`)."""
+    if isinstance(leaf, PackedWeight):
+        raise InvalidRequestError("convert takes weights in the standard layout: unpack them first "
+                                  "(jaxspec.models.backends.standard)")
     if leaf is None or weight_format(leaf) is fmt:
         return leaf
-    on_device = not isinstance(leaf.values if isinstance(leaf, Int8Weight) else leaf, np.ndarray)
+    on_device = not isinstance(jax.tree.leaves(leaf)[0], np.ndarray)
     host = jax.device_get(leaf)
     if fmt is WeightFormat.INT8:
-        converted = quantize_rows(host)
+        converted = quantize_rows(dequantize(host) if isinstance(host, Q4Weight) else host)
+    elif fmt is WeightFormat.Q4:
+        converted = quantize_q4(dequantize(host))
     else:
         converted = dequantize(host)
         if fmt is WeightFormat.BF16:
@@ -307,7 +383,7 @@ def _convert_leaf(leaf: Any, fmt: WeightFormat) -> Any:
 def map_linear(tree: Any, fn: Any) -> Any:
     """`tree` (params dataclasses, tuples of them) with `fn(leaf)` applied to every field marked
     `param(..., linear=True)`; every other field kept as it is."""
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type) and not isinstance(tree, Int8Weight):
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type) and not isinstance(tree, Int8Weight | Q4Weight | PackedWeight):
         updates = {}
         for field in dataclasses.fields(tree):
             value = getattr(tree, field.name)
@@ -330,15 +406,13 @@ def convert(params: Any, fmt: WeightFormat | str) -> Any:
 
 def weight_format(weight: Weight) -> WeightFormat:
     """The format one weight is in."""
+    if isinstance(weight, PackedWeight):
+        return WeightFormat(weight.kind)
     if isinstance(weight, Int8Weight):
         return WeightFormat.INT8
+    if isinstance(weight, Q4Weight):
+        return WeightFormat.Q4
     return WeightFormat.BF16 if weight.dtype == jnp.bfloat16 else WeightFormat.F32
-
-
-def token_lanes(params: Any) -> int:
-    """How many tokens a decode forward over `params` is padded to a multiple of (TOKEN_LANES for
-    int8 and bf16 weights, whose rounding amplifies an ulp; 1 for float32)."""
-    return 1 if format_of(params) is WeightFormat.F32 else TOKEN_LANES
 
 
 def format_of(params: Any) -> WeightFormat:
@@ -367,6 +441,11 @@ def shape_structs(shapes: Any, fmt: WeightFormat) -> Any:
         if fmt is WeightFormat.INT8:
             return Int8Weight(values=jax.ShapeDtypeStruct(shape, np.int8),
                               scales=jax.ShapeDtypeStruct(shape[:1], np.float32))
+        if fmt is WeightFormat.Q4:
+            blocks = -(-shape[1] // Q4_BLOCK)
+            return Q4Weight(codes=jax.ShapeDtypeStruct((shape[0], blocks * Q4_BLOCK // 2), np.uint8),
+                            scales=jax.ShapeDtypeStruct((shape[0], blocks), np.float16),
+                            mins=jax.ShapeDtypeStruct((shape[0], blocks), np.float16), in_features=shape[1])
         return jax.ShapeDtypeStruct(shape, jnp.bfloat16 if fmt is WeightFormat.BF16 else np.float32)
 
     marked = map_linear(shapes, linear)

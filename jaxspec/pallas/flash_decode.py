@@ -74,6 +74,10 @@ PREFILL_QUERY_BLOCK = 128
 # with Q mod 16 (1-8 against 9-16), so a batch-16 int8 step (Q = 3) and k = 4 verify (Q = 15)
 # parted in the first MT-bench row. Kept for bench/attention.py, which times both.
 DECODE_SCORES_LAYOUT = "query-major"
+# XLA:CPU (jax 0.10.2) emits elementwise loops and reductions of fewer elements than this another
+# way (exp and sums round differently): the decode reference keeps its scores at least this big
+# (flash_decode_reference), measured as the size where a softmax's rows stop depending on the count.
+WHOLE_LOOP_ELEMENTS = 4096
 
 
 class Attention(Choice):
@@ -204,15 +208,19 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
     queries = _grouped(q.astype(jnp.float32)) * scale  # [B, K, Q, H], Q = G*T, rows (g, t)
     visible = jnp.tile(visible, (1, group, 1))  # [B, Q, S]
     # A step and a verify must give a query the same bits (greedy speculation is exact only so,
-    # and under int8 weights an ulp here flips an activation's rounding): XLA:CPU runs a
-    # one-row product as a matrix-vector product, summed in its own order, so a lone query
-    # goes as two (a zero query beside it; the barrier on the output keeps XLA from moving the
-    # slice that drops it up through the products, back to one row); from two rows on, a row's
-    # sums do not depend on the count.
+    # and under int8 weights an ulp here flips an activation's rounding). XLA:CPU emits an
+    # elementwise loop or a reduction of fewer than WHOLE_LOOP_ELEMENTS elements another way
+    # than a larger one, and its exp and sums then round differently: a step's [B, K, G, S]
+    # scores parted from a verify's by an ulp wherever the step's held fewer. And it runs a
+    # one-row product as a matrix-vector product, summed in its own order. So the queries are
+    # padded with zero rows (all slots visible) until the scores hold at least that many
+    # elements and two rows; the barrier on the output keeps XLA from moving the slice that
+    # drops them up through the products. Past that, a row's bits do not depend on the count.
     rows = queries.shape[2]
-    if rows == 1:
-        queries = jnp.pad(queries, ((0, 0), (0, 0), (0, 1), (0, 0)))
-        visible = jnp.pad(visible, ((0, 0), (0, 1), (0, 0)), constant_values=True)
+    padded_rows = max(rows, 2, -(-WHOLE_LOOP_ELEMENTS // (batch * num_kv_heads * capacity)))
+    if padded_rows > rows:
+        queries = jnp.pad(queries, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+        visible = jnp.pad(visible, ((0, 0), (0, padded_rows - rows), (0, 0)), constant_values=True)
     if DECODE_SCORES_LAYOUT == "cache-major":
         scores = jnp.swapaxes(jax.lax.optimization_barrier(
             jnp.einsum("BKSH,BKQH->BKSQ", keys, queries, precision=precision)), -1, -2)
@@ -221,8 +229,8 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
     scores = jnp.where(visible[:, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BKQS,BKSH->BKQH", probs, values, precision=precision)  # [B, K, Q, H]
-    if rows == 1:
-        out = jax.lax.optimization_barrier(out)[:, :, :1]
+    if padded_rows > rows:
+        out = jax.lax.optimization_barrier(out)[:, :, :rows]
     return _ungrouped(out, steps)
 
 

@@ -62,9 +62,10 @@ class LoopSpec:
     proposer: Proposer | None = None  # None: plain decoding
     kv_format: KVFormat | None = None  # the target's K/V storage; None: the trunk's default (float32)
     attention: str = "auto"  # jaxspec.pallas.Attention: "auto" | "reference" | "pallas" | "interpret"
-    # Decode forwards carry a multiple of this many tokens, B * T (jaxspec.models.quant.token_lanes):
-    # 1 for float32 weights; under int8 / bf16 every token then takes the same code path in a
-    # step and in a verify, so its logits are bitwise the same in both.
+    # Decode forwards carry a multiple of this many tokens, B * T (jaxspec.models.backends,
+    # `Backend.token_lanes`): 1 for width-invariant products (float32, or the native CPU kernels);
+    # under XLA's int8 / bf16 products every token then takes the same code path in a step and in
+    # a verify, so its logits are bitwise the same in both.
     token_lanes: int = 1
     # The target's layout over a device mesh (jaxspec.sharding.Plan), and the draft's; None: one
     # device. With one, the loop state is pinned to the mesh after the prefill and every round.

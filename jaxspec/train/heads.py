@@ -18,7 +18,7 @@ import numpy as np
 from jaxspec.api import Model
 from jaxspec.config import ModelConfig
 from jaxspec.errors import InvalidRequestError, UnsupportedModelError
-from jaxspec.models import eagle3, layers, mtp, quant
+from jaxspec.models import backends, eagle3, layers, mtp, quant
 from jaxspec.train.config import Method
 from jaxspec.train.data import DraftVocab
 
@@ -88,7 +88,7 @@ def init_head(method: Method, head_cfg, target: Model, vocab: DraftVocab, seed: 
     else:
         params = mtp.params_from(head_cfg, drawn.__getitem__)
         if mtp_block_from_last_layer:
-            last = layers.unfuse_projections(target.params.layers[-1])
+            last = layers.unfuse_projections(backends.standard(target.params.layers[-1]))
             last = quant.map_linear(last, lambda w: None if w is None else quant.dequantize(w))  # int8 -> float32
             params = dataclasses.replace(params, block=jax.tree.map(lambda x: np.asarray(x, np.float32), last))
     return jax.tree.map(jnp.asarray, params)

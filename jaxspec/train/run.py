@@ -46,7 +46,8 @@ import numpy as np
 from jaxspec import checkpoints, compilation
 from jaxspec.api import Model, SpecStats, generate, lm_head_of
 from jaxspec.errors import CheckpointError, InvalidRequestError, is_integer
-from jaxspec.models import eagle3, layers, quant
+from jaxspec.models import backends, eagle3, layers, quant
+from jaxspec.models.backends import Products
 from jaxspec.train.config import Method, StepSpec, TrainConfig, optimizer
 from jaxspec.train.data import (
     EARLY_ANSWER_TOKENS,
@@ -334,6 +335,9 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
 
     _check_head_dtype(head_dtype)
     _check_keep_every(keep_every)
+    # The target's embedding and LM head sit inside the differentiated step (the loss reads the
+    # draft's logits through them), and the native CPU kernels have no gradient: XLA's products.
+    target = dataclasses.replace(target, params=backends.standard(target.params))
     # A step compiles once per batch width (~50 s for the default model at TTT 7, and a corpus of
     # mixed lengths has up to 2048 / bucket_width widths), the feature pass once per forward
     # shape: on disk, a resumed run or the next run on the same shapes loads them instead.
@@ -546,4 +550,4 @@ def train_head(model: str | Model, out_dir: str | os.PathLike[str], cfg: TrainCo
 def _load_target(name: str, weight_format: str | quant.WeightFormat, progress: bool) -> Model:
     from jaxspec import api
 
-    return api.load(name, weight_format=weight_format, progress=progress)
+    return api.load(name, weight_format=weight_format, products=Products.XLA, progress=progress)
