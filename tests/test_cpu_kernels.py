@@ -82,15 +82,22 @@ def test_references_on_hand_computed_cases():
                                                        np.array([[3.0], [4.0]], np.float32)), [[11.0]])
 
 
-def test_q4_quantization_is_within_half_a_step_of_each_weight():
-    """Each rotated weight is within half a block step of its code's value, in a row whose width is
-    not a whole number of blocks (zero-padded to them)."""
+def test_q4_quantization_is_within_half_a_step_and_keeps_q4_1_values_exactly():
+    """Each weight is within half a block step of its code's value, in a row whose width is not a
+    whole number of blocks (zero-padded to them); weights already on a Q4_1 grid (a GGUF's own
+    blocks: float16 scale and minimum, codes 0..15) come back bit for bit."""
     matrix = np.random.default_rng(6).standard_normal((5, 70)).astype(np.float32)
     weight = quant.quantize_q4(matrix)
     assert weight.codes.shape == (5, 48) and weight.scales.shape == (5, 3) and weight.in_features == 70
-    rotated = quant.hadamard(matrix, axis=1)
     steps = np.repeat(weight.scales.astype(np.float32), quant.Q4_BLOCK, axis=1)[:, :70]
-    assert np.all(np.abs(quant.hadamard(quant.dequantize(weight), axis=1) - rotated) <= steps / 2 + 1e-6)
+    assert np.all(np.abs(quant.dequantize(weight) - matrix) <= steps / 2 + 1e-6)
+    rng = np.random.default_rng(8)
+    scales = rng.uniform(0.01, 0.1, (4, 2)).astype(np.float16)
+    mins = (-7.5 * scales.astype(np.float32)).astype(np.float16)
+    codes = rng.integers(0, 16, (4, 2, 32))
+    codes[:, :, 0], codes[:, :, 1] = 0, 15  # each block spans the whole grid, as Q4_1's do
+    on_grid = (codes * scales[:, :, None].astype(np.float32) + mins[:, :, None].astype(np.float32)).reshape(4, 64)
+    np.testing.assert_array_equal(quant.dequantize(quant.quantize_q4(on_grid)), on_grid)
     # a constant block (max == min) stores scale 0 and its value as the minimum
     constant = quant.quantize_q4(np.zeros((1, 32), np.float32))
     assert not constant.codes.any() and not constant.scales.astype(np.float32).any()

@@ -1,8 +1,8 @@
 // The 4-bit product of jaxspec's q4 format: per row, blocks of 32 inputs, each a 4-bit code q in
-// [0, 15] with a half-precision scale d and minimum m (w = q d + m), in the weight's rotated basis
-// (jaxspec.models.quant), times activations rotated and quantized per token here as
-// `int8_matmul.cc` does:
-//   y[o, n] = s_x[n] * sum_b (d[o, b] * sum_{i in b} q[o, i] c[i, n] + m[o, b] * sum_{i in b} c[i, n])
+// [0, 15] with a half-precision scale d and minimum m (w = q d + m: llama.cpp's Q4_1 values, not
+// rotated), times activations quantized here per token and block, as llama.cpp's Q8_1 does: a
+// block's scale s = max|x| / 127 (1 for an all-zero block), codes c = clamp(rint(x / s)):
+//   y[o, n] = sum_b (d[o, b] s[b, n]) (q . c)_b + m[o, b] (s[b, n] sum_b c)
 // Each block's integer dot is exact; the blocks are then added in input order, one fused
 // multiply-add for the scale and one for the minimum per block, on every path: a result's bits do
 // not depend on N, on the thread count or on the instruction set.
@@ -34,36 +34,33 @@ constexpr int64_t kVectorBytes = 64;
 
 struct QuantizedTokens {
   int64_t blocks = 0;
-  std::vector<float> scales;        // [N]
-  std::vector<int8_t> codes;        // [N, 32 NB], zero past I
-  std::vector<float> block_sums;    // [N, NB]: sum of a block's codes (exact in float)
+  std::vector<int8_t> codes;         // [N, 32 NB], zero past I
+  std::vector<float> block_scales;   // [N, NB]: s, each block's own
+  std::vector<float> block_offsets;  // [N, NB]: s * (the sum of the block's codes), what a minimum multiplies
 };
 
 QuantizedTokens quantize_tokens(const float* x, int64_t in, int64_t tokens) {
   QuantizedTokens q;
   q.blocks = (in + kBlock - 1) / kBlock;
-  q.scales.assign(tokens, 1.0f);
   q.codes.assign(static_cast<size_t>(tokens * q.blocks * kBlock), 0);
-  q.block_sums.assign(static_cast<size_t>(tokens * q.blocks), 0.0f);
-  std::vector<float> column(static_cast<size_t>(in));
-  for (int64_t n = 0; n < tokens; ++n) {
-    for (int64_t i = 0; i < in; ++i) column[i] = x[i * tokens + n];
-    rotate_in_place(column.data(), in);
-    float absmax = 0.0f;
-    for (int64_t i = 0; i < in; ++i) absmax = std::fmax(absmax, std::fabs(column[i]));
-    const float scale = absmax > 0.0f ? absmax / 127.0f : 1.0f;
-    q.scales[n] = scale;
-    int8_t* codes = q.codes.data() + n * q.blocks * kBlock;
-    for (int64_t i = 0; i < in; ++i) {
-      const float code = std::nearbyint(column[i] / scale);
-      codes[i] = static_cast<int8_t>(std::fmin(std::fmax(code, -127.0f), 127.0f));
-    }
+  q.block_scales.assign(static_cast<size_t>(tokens * q.blocks), 1.0f);
+  q.block_offsets.assign(static_cast<size_t>(tokens * q.blocks), 0.0f);
+  for (int64_t n = 0; n < tokens; ++n)
     for (int64_t b = 0; b < q.blocks; ++b) {
+      const int64_t end = (b + 1) * kBlock < in ? (b + 1) * kBlock : in;
+      float absmax = 0.0f;
+      for (int64_t i = b * kBlock; i < end; ++i) absmax = std::fmax(absmax, std::fabs(x[i * tokens + n]));
+      const float scale = absmax > 0.0f ? absmax / 127.0f : 1.0f;
+      int8_t* codes = q.codes.data() + (n * q.blocks + b) * kBlock;
       int32_t sum = 0;
-      for (int64_t i = 0; i < kBlock; ++i) sum += codes[b * kBlock + i];
-      q.block_sums[n * q.blocks + b] = static_cast<float>(sum);
+      for (int64_t i = b * kBlock; i < end; ++i) {
+        const float code = std::nearbyint(x[i * tokens + n] / scale);
+        codes[i - b * kBlock] = static_cast<int8_t>(std::fmin(std::fmax(code, -127.0f), 127.0f));
+        sum += codes[i - b * kBlock];
+      }
+      q.block_scales[n * q.blocks + b] = scale;
+      q.block_offsets[n * q.blocks + b] = scale * static_cast<float>(sum);
     }
-  }
   return q;
 }
 
@@ -104,7 +101,7 @@ struct Operands {
   float* y;
 };
 
-// Each tile leaves sums [GT][NT][16] = sum_b (d isum + m block_sum), before the token scale.
+// Each tile leaves sums [GT][NT][16]: the outputs of GT groups for NT tokens.
 template <int GT, int NT>
 void tile_scalar(const Operands& op, int64_t g0, int64_t n0, float (*sums)[NT][kGroupRows]) {
   for (int g = 0; g < GT; ++g)
@@ -121,8 +118,10 @@ void tile_scalar(const Operands& op, int64_t g0, int64_t n0, float (*sums)[NT][k
               const uint8_t byte = block[v * kVectorBytes + 4 * j + k];
               dot += int32_t{byte & 0x0f} * x[8 * v + k] + int32_t{byte >> 4} * x[8 * v + 4 + k];
             }
-          acc = std::fma(static_cast<float>(dot), half_to_float(op.scales[at * kGroupRows + j]), acc);
-          acc = std::fma(half_to_float(op.mins[at * kGroupRows + j]), op.q->block_sums[(n0 + n) * op.blocks + b], acc);
+          const int64_t token_block = (n0 + n) * op.blocks + b;
+          const float scale = half_to_float(op.scales[at * kGroupRows + j]) * op.q->block_scales[token_block];
+          acc = std::fma(static_cast<float>(dot), scale, acc);
+          acc = std::fma(half_to_float(op.mins[at * kGroupRows + j]), op.q->block_offsets[token_block], acc);
         }
         sums[g][n][j] = acc;
       }
@@ -161,9 +160,13 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Operands& op, int6
       const __m256 m_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(op.mins + at * kGroupRows)));
       const __m256 m_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(op.mins + at * kGroupRows + 8)));
       for (int n = 0; n < NT; ++n) {
-        const __m256 block_sum = _mm256_set1_ps(op.q->block_sums[(n0 + n) * op.blocks + b]);
-        lo[g][n] = _mm256_fmadd_ps(m_lo, block_sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lo[n]), d_lo, lo[g][n]));
-        hi[g][n] = _mm256_fmadd_ps(m_hi, block_sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_hi[n]), d_hi, hi[g][n]));
+        const int64_t token_block = (n0 + n) * op.blocks + b;
+        const __m256 token_scale = _mm256_set1_ps(op.q->block_scales[token_block]);
+        const __m256 offset = _mm256_set1_ps(op.q->block_offsets[token_block]);
+        lo[g][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lo[n]), _mm256_mul_ps(d_lo, token_scale), lo[g][n]);
+        hi[g][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_hi[n]), _mm256_mul_ps(d_hi, token_scale), hi[g][n]);
+        lo[g][n] = _mm256_fmadd_ps(m_lo, offset, lo[g][n]);
+        hi[g][n] = _mm256_fmadd_ps(m_hi, offset, hi[g][n]);
       }
     }
   }
@@ -205,8 +208,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const Oper
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.scales + at * kGroupRows)));
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.mins + at * kGroupRows)));
       for (int n = 0; n < NT; ++n) {
-        const __m512 block_sum = _mm512_set1_ps(op.q->block_sums[(n0 + n) * op.blocks + b]);
-        acc[g][n] = _mm512_fmadd_ps(m, block_sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[n]), d, acc[g][n]));
+        const int64_t token_block = (n0 + n) * op.blocks + b;
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(op.q->block_scales[token_block]));
+        acc[g][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[n]), scale, acc[g][n]);
+        acc[g][n] = _mm512_fmadd_ps(m, _mm512_set1_ps(op.q->block_offsets[token_block]), acc[g][n]);
       }
     }
   }
@@ -228,12 +233,8 @@ template <int GT, int NT>
 void groups_times_tokens(const Operands& op, int64_t g0, int64_t n0) {
   float sums[GT][NT][kGroupRows];
   tile<GT, NT>(op, g0, n0, sums);
-  float values[kGroupRows];
   for (int g = 0; g < GT; ++g)
-    for (int n = 0; n < NT; ++n) {
-      for (int64_t j = 0; j < kGroupRows; ++j) values[j] = sums[g][n][j] * op.q->scales[n0 + n];
-      store_group(values, (g0 + g) * kGroupRows, op.out, op.tokens, n0 + n, op.y);
-    }
+    for (int n = 0; n < NT; ++n) store_group(sums[g][n], (g0 + g) * kGroupRows, op.out, op.tokens, n0 + n, op.y);
 }
 
 ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F16> scales,

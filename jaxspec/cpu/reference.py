@@ -41,21 +41,24 @@ def int8_matmul(values: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.nda
 
 def q4_matmul(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, in_features: int, x: np.ndarray) -> np.ndarray:
     """q4 W [O, I] (`quant.Q4Weight`'s fields: codes uint8 [O, I_pad / 2] two a byte, scales and
-    mins float16 [O, NB]) @ x float32 [I, N] -> float32 [O, N]: per token int8 codes c and scale
-    s_x, then s_x * sum_b (d_b * (q . c)_b + m_b * sum_b c), each block's dot exact, the blocks
-    added in order with float32 rounding after each step (float64 holds every product exactly, so
-    this rounds where the kernel's fused multiply-adds do)."""
-    x_codes, token_scales = quantize_tokens(x)
+    mins float16 [O, NB]) @ x float32 [I, N] -> float32 [O, N]. x is quantized per token and block
+    of 32 (scale s = max|x| / 127, codes c), then, block by block in order,
+    acc = fma(q . c, d * s, acc) and acc = fma(m, s * sum(c), acc), each product of two floats and
+    each step rounded to float32 where the kernel's are (a float64 holds every product exactly)."""
     blocks = np.asarray(scales).shape[1]
-    padded = np.zeros((blocks * 32, x.shape[1]), np.int64)
-    padded[:in_features] = x_codes
+    padded = np.zeros((blocks * 32, x.shape[1]), np.float32)
+    padded[:in_features] = x
+    grouped = padded.reshape(blocks, 32, -1)  # [NB, 32, N]
+    absmax = np.max(np.abs(grouped), axis=1)
+    token_scales = np.where(absmax > 0, absmax / np.float32(INT8_MAX), np.float32(1)).astype(np.float32)  # [NB, N]
+    x_codes = np.clip(np.rint(grouped / token_scales[:, None, :]), -INT8_MAX, INT8_MAX).astype(np.int64)
     nibbles = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(codes.shape[0], blocks, 32).astype(np.int64)
-    x_blocks = padded.reshape(blocks, 32, -1)  # [NB, 32, N]
-    dots = np.einsum("obi,bin->obn", nibbles, x_blocks)  # [O, NB, N], exact
-    sums = x_blocks.sum(axis=1)  # [NB, N]
+    dots = np.einsum("obi,bin->obn", nibbles, x_codes)  # [O, NB, N], exact
+    offsets = (token_scales * x_codes.sum(axis=1).astype(np.float32)).astype(np.float32)  # [NB, N]
+    d, m = np.asarray(scales, np.float32), np.asarray(mins, np.float32)
     acc = np.zeros((codes.shape[0], x.shape[1]), np.float32)
-    d, m = np.asarray(scales, np.float64), np.asarray(mins, np.float64)
     for b in range(blocks):
-        acc = (dots[:, b].astype(np.float64) * d[:, b, None] + acc.astype(np.float64)).astype(np.float32)
-        acc = (m[:, b, None] * sums[b][None, :].astype(np.float64) + acc.astype(np.float64)).astype(np.float32)
-    return acc * token_scales[None, :]
+        step = (d[:, b, None] * token_scales[b][None, :]).astype(np.float32)  # [O, N]
+        acc = (dots[:, b].astype(np.float64) * step + acc).astype(np.float32)
+        acc = (m[:, b, None].astype(np.float64) * offsets[b][None, :] + acc).astype(np.float32)
+    return acc

@@ -39,11 +39,13 @@ The formats:
   float32's time (bench/tcost.py): XLA's int8 dot is far from streaming 4x fewer bytes 4x faster.
   On GPU the product is W8A16 (jaxspec.pallas.int8_matmul): weights converted to bfloat16 on the
   way in.
-- "q4": 4 bits a weight, in the same rotated basis as int8: blocks of Q4_BLOCK inputs along each
-  row, each with a float16 scale d and minimum m, w = q d + m for codes q in [0, 15] (llama.cpp's
-  Q4_1 layout of values, rotated). Inputs are zero-padded to whole blocks (exact: the padded
-  inputs are zero). On CPU the native kernel (jaxspec.cpu) multiplies the codes by per-token int8
-  activations; elsewhere the weight is dequantized inside the program (correct, not fast).
+- "q4": 4 bits a weight: blocks of Q4_BLOCK inputs along each row, each with a float16 scale d
+  and minimum m, w = q d + m for codes q in [0, 15] (llama.cpp's Q4_1 values, not rotated: a
+  GGUF's own Q4_1 blocks come back exactly). Inputs are zero-padded to whole blocks (exact: the
+  padded inputs are zero). The activations are int8 per token and block, a scale each (llama.cpp's
+  Q8_1 for its Q4_1 dot), which copes with outlier channels without a rotation. On CPU the native
+  kernel (jaxspec.cpu) runs it; elsewhere the weight is dequantized inside the program (correct,
+  not fast).
 - "auto": f32 on CPU, bf16 on GPU and TPU (`WeightFormat.resolve`).
 """
 
@@ -168,10 +170,10 @@ def quantize_rows(w: Any) -> Int8Weight:
 
 
 def quantize_q4(w: np.ndarray) -> Q4Weight:
-    """4-bit blocks of a float matrix [O, I] on the host, rotated along I (`hadamard`): per block of
-    Q4_BLOCK inputs (the row zero-padded to whole blocks) the float16 minimum m and scale
-    d = (max - min) / 15, and codes rint((w - m) / d) in [0, 15] against the stored (rounded) d, m."""
-    rotated = hadamard(np.asarray(w, np.float32), axis=1)
+    """4-bit blocks of a float matrix [O, I] on the host: per block of Q4_BLOCK inputs (the row
+    zero-padded to whole blocks) the float16 minimum m and scale d = (max - min) / 15, and codes
+    rint((w - m) / d) in [0, 15] against the stored (rounded) d, m."""
+    rotated = np.asarray(w, np.float32)  # (q4 is not rotated: the name keeps the int8 path's shape)
     rows, in_features = rotated.shape
     blocks = -(-in_features // Q4_BLOCK)
     padded = np.zeros((rows, blocks * Q4_BLOCK), np.float32)
@@ -188,7 +190,7 @@ def quantize_q4(w: np.ndarray) -> Q4Weight:
 
 
 def _q4_rows(w: Q4Weight) -> Any:
-    """The rotated float32 rows [..., I] a Q4Weight (or a gather of its rows) stands for."""
+    """The float32 rows [..., I] a Q4Weight (or a gather of its rows) stands for."""
     xp = np if isinstance(w.codes, np.ndarray) else jnp
     low, high = w.codes & 0x0F, w.codes >> 4
     codes = xp.stack([low, high], axis=-1).reshape(*w.codes.shape[:-1], -1, Q4_BLOCK)  # [..., NB, 32]
@@ -209,7 +211,7 @@ def take_rows(w: Weight | None, index: np.ndarray) -> Weight | None:
 def dequantize(w: Weight) -> jax.Array:
     """The float32 matrix a weight stands for."""
     if isinstance(w, Q4Weight):
-        return hadamard(_q4_rows(w), axis=1)
+        return _q4_rows(w)
     if isinstance(w, Int8Weight):
         return hadamard(w.values.astype(np.float32) * w.scales[:, None], axis=1)
     return w.astype(np.float32)
@@ -236,6 +238,29 @@ def _w8a8(w: Int8Weight, x: jax.Array) -> jax.Array:
     return exact.astype(jnp.float32) * w.scales[:, None] * token_scales[None, :]
 
 
+def quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """int8 of a feature-major activation [I, N] per token and block of Q4_BLOCK features (zero-
+    padded to whole blocks): codes int8 [NB, 32, N] and a float32 scale per block and token [NB, N],
+    each block quantized as `quantize_tokens` quantizes a token."""
+    blocks = -(-x.shape[0] // Q4_BLOCK)
+    padded = jnp.pad(x, ((0, blocks * Q4_BLOCK - x.shape[0]), (0, 0))).reshape(blocks, Q4_BLOCK, -1)
+    absmax = jnp.max(jnp.abs(padded), axis=1)  # [NB, N]
+    scales = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
+    codes = jnp.clip(jnp.rint(padded / scales[:, None, :]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return codes, scales
+
+
+def _q4_product(w: Q4Weight, x: jax.Array) -> jax.Array:
+    """q4 w [O, I] @ x [I, N] on XLA: the weight dequantized, the activation per token and block
+    (the native kernel's arithmetic, summed in XLA's order)."""
+    codes, scales = quantize_blocks(x)  # [NB, 32, N], [NB, N]
+    rows = _q4_rows(w)  # [O, I]
+    blocks = codes.shape[0]
+    rows = jnp.pad(rows, ((0, 0), (0, blocks * Q4_BLOCK - rows.shape[1]))).reshape(rows.shape[0], blocks, Q4_BLOCK)
+    per_block = jnp.einsum("obi,bin->obn", rows, codes.astype(jnp.float32))  # [O, NB, N]
+    return jnp.sum(per_block * scales[None], axis=1)
+
+
 def matmul(w: Weight, x: jax.Array) -> jax.Array:
     """w [O, I] @ x [I, N] -> float32 [O, N], in the weight's format (module docstring), by the
     backend its layout is for (jaxspec.models.backends)."""
@@ -243,10 +268,9 @@ def matmul(w: Weight, x: jax.Array) -> jax.Array:
         from jaxspec.cpu import kernels
 
         product = {"f32": kernels.f32_matmul, "int8": kernels.int8_matmul, "q4": kernels.q4_matmul}[w.kind]
-        return product(w, x.astype(jnp.float32))  # int8 and q4 rotate x themselves
+        return product(w, x.astype(jnp.float32))  # the int8 kernel rotates x itself
     if isinstance(w, Q4Weight):  # W4A8 as the native kernel computes it; dequantized in the program
-        codes, token_scales = quantize_tokens(hadamard(x.astype(jnp.float32), axis=0))
-        return (_q4_rows(w) @ codes.astype(jnp.float32)) * token_scales[None, :]
+        return _q4_product(w, x.astype(jnp.float32))
     if isinstance(w, Int8Weight):
         if jax.default_backend() == "cpu":
             return _w8a8(w, x)
