@@ -149,6 +149,6 @@ def int8_matmul(weight: PackedWeight, x: jax.Array, *, isa: str | None = None, t
 
 
 def q4_matmul(weight: PackedWeight, x: jax.Array, *, isa: str | None = None, threads: int = 0) -> jax.Array:
-    """q4 W [O, I] (packed 4-bit codes, per-block scales and minimums, in the rotated basis) @ x
-    [I, N] -> float32 [O, N]; the kernel rotates x and quantizes it per token (q4_matmul.cc)."""
+    """q4 W [O, I] (packed 4-bit codes, per-block scales and minimums) @ x [I, N] -> float32
+    [O, N]; the kernel quantizes x per token and block of 32 (q4_matmul.cc)."""
     return _product("q4", weight, x, (weight.data, weight.scales, weight.mins), isa, threads)

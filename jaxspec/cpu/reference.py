@@ -3,7 +3,8 @@
 The float32 reference accumulates in float64, so it stands apart from every kernel path; the
 int8 reference reproduces the kernel's contract exactly: the rotation and per-token quantization
 as `quant.hadamard` and `quant.quantize_tokens` compute them, an exact integer dot, one float32
-epilogue. The int8 and q4 weights are in the rotated basis; x is not.
+epilogue. The int8 weights are in the rotated basis (x is not); the q4 reference quantizes x per
+block of 32 and rounds each step where the kernel does.
 """
 
 from __future__ import annotations
