@@ -11,7 +11,7 @@ row accumulators at once:
   [G, NB, 256] per block of 32 inputs, 4 vectors of 64 bytes; byte 4 j + b of vector v holds row
   16 g + j's input 8 v + b in its low nibble and 8 v + 4 + b in its high one (q4_matmul.cc);
   scales and mins float16 [G, NB, 16].
-Packing is exact and `unpack` gives the weight back bit for bit, so a packed model can be
+Packing is exact and the `unpack_*` functions give the weight back bit for bit, so a packed model can be
 converted, sharded or saved through the standard layout.
 """
 
