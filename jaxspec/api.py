@@ -330,7 +330,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
     # A round writes k + 1 slots (a tree: 1 + num_nodes, or its drafter's scratch slots),
     # padded to the weights' token lanes (LoopSpec.round_width). The Qwen3.5 hybrid is not
     # padded: its recorded-state ring holds k + 2 steps, not the filler.
-    lanes = 1 if isinstance(cfg, Qwen35Config) else backends.of_params(model.params).token_lanes
+    lanes = 1 if isinstance(cfg, Qwen35Config) else model.products.token_lanes
     round_width = loop.LoopSpec(cfg=cfg, capacity=0, sampler=sampler, proposer=speculation.proposer,
                                 token_lanes=lanes).round_width
     reach = k if options.tree is None else round_width - 1

@@ -92,7 +92,8 @@ def with_weight_format(draft: Model, target: Model) -> Model:
     fmt = quant.format_of(target.params)
     if draft.weight_format is not WeightFormat.AUTO:
         fmt = quant.format_of(draft.params)
-    products = backends.resolve(target.products.name, fmt) if target.products.name is Products.NATIVE else Products.XLA
+    target_products = target.products.name
+    products = backends.resolve(target_products, fmt) if target_products is Products.NATIVE else Products.XLA
     if quant.format_of(draft.params) is fmt and draft.products.name is products:
         return draft
     converted = _CONVERTED_DRAFTS.setdefault(draft, {})

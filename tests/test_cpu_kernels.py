@@ -231,7 +231,6 @@ def test_the_build_key_follows_sources_compiler_and_flags(monkeypatch):
 
 
 _FALLBACK_SCRIPT = """
-import sys
 from jaxspec.models import backends
 from jaxspec.models.quant import WeightFormat
 from jaxspec.errors import InvalidRequestError

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <type_traits>
@@ -130,6 +131,28 @@ void for_every_tile(ffi::ThreadPool& pool, int64_t groups, int64_t tokens, int64
       for_token_tiles(tokens, [&](auto token_tile, int64_t n0) { tile(group_tile, token_tile, g, n0); });
     });
   });
+}
+
+// `quant.quantize_tokens`' arithmetic on `count` values read `stride` apart (a token's column, or
+// a block of one): scale = max|v| / 127 (1 when all are zero), codes = clamp(rint(v / scale),
+// -127, 127) into `codes`. Returns the scale. The int8 kernel quantizes whole tokens with it, the
+// q4 kernel blocks of 32.
+inline float quantize_int8(const float* values, int64_t count, int64_t stride, int8_t* codes) {
+  float absmax = 0.0f;
+  for (int64_t i = 0; i < count; ++i) absmax = std::fmax(absmax, std::fabs(values[i * stride]));
+  const float scale = absmax > 0.0f ? absmax / 127.0f : 1.0f;
+  for (int64_t i = 0; i < count; ++i) {
+    const float code = std::nearbyint(values[i * stride] / scale);
+    codes[i] = static_cast<int8_t>(std::fmin(std::fmax(code, -127.0f), 127.0f));
+  }
+  return scale;
+}
+
+// Four consecutive codes as one 32-bit word, for a broadcast against 4 packed inputs.
+inline int32_t load_word(const void* bytes) {
+  int32_t value;
+  std::memcpy(&value, bytes, 4);
+  return value;
 }
 
 // `quant.hadamard` on one token's inputs, in place and in its order of operations (so the same

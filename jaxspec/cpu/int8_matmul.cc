@@ -19,7 +19,6 @@
 #include <immintrin.h>
 
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -46,26 +45,13 @@ QuantizedTokens quantize_tokens(const float* x, int64_t in, int64_t tokens, bool
   for (int64_t n = 0; n < tokens; ++n) {
     for (int64_t i = 0; i < in; ++i) column[i] = x[i * tokens + n];
     rotate_in_place(column.data(), in);
-    float absmax = 0.0f;
-    for (int64_t i = 0; i < in; ++i) absmax = std::fmax(absmax, std::fabs(column[i]));
-    const float scale = absmax > 0.0f ? absmax / 127.0f : 1.0f;
-    q.scales[n] = scale;
-    for (int64_t i = 0; i < in; ++i) {
-      const float code = std::nearbyint(column[i] / scale);
-      q.codes[n * q.words * 4 + i] = static_cast<int8_t>(std::fmin(std::fmax(code, -127.0f), 127.0f));
-    }
+    q.scales[n] = quantize_int8(column.data(), in, 1, q.codes.data() + n * q.words * 4);
   }
   if (offset) {
     q.offset.resize(q.codes.size());
     for (size_t k = 0; k < q.codes.size(); ++k) q.offset[k] = static_cast<uint8_t>(q.codes[k] + 128);
   }
   return q;
-}
-
-inline int32_t word(const int8_t* codes, int64_t k) {
-  int32_t value;
-  std::memcpy(&value, codes + 4 * k, 4);
-  return value;
 }
 
 // Each tile leaves dots [GT][NT][16]: groups [0, GT) of `packed` times tokens [n0, n0 + NT).
@@ -103,7 +89,7 @@ __attribute__((target("avx2"))) void tile_avx2(const int8_t* packed, const Quant
       ahi[g] = _mm256_sign_epi8(whi[g], whi[g]);
     }
     for (int n = 0; n < NT; ++n) {
-      const __m256i xv = _mm256_set1_epi32(word(q.codes.data() + (n0 + n) * q.words * 4, k));
+      const __m256i xv = _mm256_set1_epi32(load_word(q.codes.data() + ((n0 + n) * q.words + k) * 4));
       for (int g = 0; g < GT; ++g) {
         const __m256i plo = _mm256_maddubs_epi16(alo[g], _mm256_sign_epi8(xv, wlo[g]));
         const __m256i phi = _mm256_maddubs_epi16(ahi[g], _mm256_sign_epi8(xv, whi[g]));
@@ -136,7 +122,7 @@ __attribute__((target("avx512f,avx512bw"))) void tile_avx512(const int8_t* packe
       negative[g] = _mm512_movepi8_mask(w);
     }
     for (int n = 0; n < NT; ++n) {
-      const __m512i xv = _mm512_set1_epi32(word(q.codes.data() + (n0 + n) * q.words * 4, k));
+      const __m512i xv = _mm512_set1_epi32(load_word(q.codes.data() + ((n0 + n) * q.words + k) * 4));
       for (int g = 0; g < GT; ++g) {
         const __m512i signed_x = _mm512_mask_sub_epi8(xv, negative[g], zero, xv);
         const __m512i pairs = _mm512_maddubs_epi16(magnitude[g], signed_x);
@@ -159,9 +145,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const int8
     __m512i w[GT];
     for (int g = 0; g < GT; ++g) w[g] = _mm512_loadu_si512(packed + (g * q.words + k) * kGroupBytes);
     for (int n = 0; n < NT; ++n) {
-      int32_t offset_word;
-      std::memcpy(&offset_word, q.offset.data() + ((n0 + n) * q.words + k) * 4, 4);
-      const __m512i xv = _mm512_set1_epi32(offset_word);
+      const __m512i xv = _mm512_set1_epi32(load_word(q.offset.data() + ((n0 + n) * q.words + k) * 4));
       for (int g = 0; g < GT; ++g) acc[g][n] = _mm512_dpbusd_epi32(acc[g][n], xv, w[g]);
     }
   }

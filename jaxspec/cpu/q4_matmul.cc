@@ -47,17 +47,11 @@ QuantizedTokens quantize_tokens(const float* x, int64_t in, int64_t tokens) {
   q.block_offsets.assign(static_cast<size_t>(tokens * q.blocks), 0.0f);
   for (int64_t n = 0; n < tokens; ++n)
     for (int64_t b = 0; b < q.blocks; ++b) {
-      const int64_t end = (b + 1) * kBlock < in ? (b + 1) * kBlock : in;
-      float absmax = 0.0f;
-      for (int64_t i = b * kBlock; i < end; ++i) absmax = std::fmax(absmax, std::fabs(x[i * tokens + n]));
-      const float scale = absmax > 0.0f ? absmax / 127.0f : 1.0f;
+      const int64_t count = (b + 1) * kBlock < in ? kBlock : in - b * kBlock;
       int8_t* codes = q.codes.data() + (n * q.blocks + b) * kBlock;
+      const float scale = quantize_int8(x + b * kBlock * tokens + n, count, tokens, codes);
       int32_t sum = 0;
-      for (int64_t i = b * kBlock; i < end; ++i) {
-        const float code = std::nearbyint(x[i * tokens + n] / scale);
-        codes[i - b * kBlock] = static_cast<int8_t>(std::fmin(std::fmax(code, -127.0f), 127.0f));
-        sum += codes[i - b * kBlock];
-      }
+      for (int64_t i = 0; i < count; ++i) sum += codes[i];
       q.block_scales[n * q.blocks + b] = scale;
       q.block_offsets[n * q.blocks + b] = scale * static_cast<float>(sum);
     }
@@ -65,9 +59,7 @@ QuantizedTokens quantize_tokens(const float* x, int64_t in, int64_t tokens) {
 }
 
 inline int32_t token_word(const QuantizedTokens& q, int64_t n, int64_t b, int64_t w) {
-  int32_t value;
-  std::memcpy(&value, q.codes.data() + (n * q.blocks + b) * kBlock + 4 * w, 4);
-  return value;
+  return load_word(q.codes.data() + (n * q.blocks + b) * kBlock + 4 * w);
 }
 
 inline float half_to_float(uint16_t h) {

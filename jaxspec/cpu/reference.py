@@ -25,7 +25,11 @@ def quantize_tokens(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     clip(rint(x / scale), -127, 127)."""
     from jaxspec.models.quant import hadamard
 
-    x = hadamard(np.asarray(x, np.float32), axis=0)
+    return _quantize_columns(hadamard(np.asarray(x, np.float32), axis=0))
+
+
+def _quantize_columns(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each column of x float32 [I, N] quantized on its own: codes int8 [I, N], scales float32 [N]."""
     absmax = np.max(np.abs(x), axis=0)
     scales = np.where(absmax > 0, absmax / np.float32(INT8_MAX), np.float32(1)).astype(np.float32)
     codes = np.clip(np.rint(x / scales[None, :]), -INT8_MAX, INT8_MAX).astype(np.int8)
@@ -49,10 +53,11 @@ def q4_matmul(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, in_featur
     blocks = np.asarray(scales).shape[1]
     padded = np.zeros((blocks * 32, x.shape[1]), np.float32)
     padded[:in_features] = x
-    grouped = padded.reshape(blocks, 32, -1)  # [NB, 32, N]
-    absmax = np.max(np.abs(grouped), axis=1)
-    token_scales = np.where(absmax > 0, absmax / np.float32(INT8_MAX), np.float32(1)).astype(np.float32)  # [NB, N]
-    x_codes = np.clip(np.rint(grouped / token_scales[:, None, :]), -INT8_MAX, INT8_MAX).astype(np.int64)
+    tokens = x.shape[1]
+    columns = padded.reshape(blocks, 32, tokens).transpose(1, 0, 2).reshape(32, blocks * tokens)
+    column_codes, column_scales = _quantize_columns(columns)  # a (block, token) a column
+    x_codes = column_codes.reshape(32, blocks, tokens).transpose(1, 0, 2).astype(np.int64)  # [NB, 32, N]
+    token_scales = column_scales.reshape(blocks, tokens)  # [NB, N]
     nibbles = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(codes.shape[0], blocks, 32).astype(np.int64)
     dots = np.einsum("obi,bin->obn", nibbles, x_codes)  # [O, NB, N], exact
     offsets = (token_scales * x_codes.sum(axis=1).astype(np.float32)).astype(np.float32)  # [NB, N]

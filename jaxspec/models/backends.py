@@ -65,13 +65,6 @@ class Backend:
         products are not width-invariant: every token then takes the same code path)."""
         return 1 if self.width_invariant else quant.TOKEN_LANES
 
-    def describe(self) -> str:
-        if self.name is Products.NATIVE:
-            from jaxspec.cpu import kernels
-
-            return f"native ({kernels.detected_isa()}) {self.fmt.value}"
-        return f"xla {self.fmt.value}"
-
 
 def resolve(requested: Products | str, fmt: WeightFormat, *, sharded: bool = False) -> Products:
     """The concrete backend for weights in `fmt` on this platform: AUTO picks native where it
@@ -95,7 +88,7 @@ def resolve(requested: Products | str, fmt: WeightFormat, *, sharded: bool = Fal
 
 
 def pack(weight: quant.Weight) -> PackedWeight:
-    """A float32 or int8 weight (host or device) in the native kernels' layout, on the host."""
+    """A float32, int8 or q4 weight (host or device) in the native kernels' layout, on the host."""
     host = jax.device_get(weight)
     if isinstance(host, quant.Int8Weight):
         return packing.pack_int8(host.values, host.scales)
@@ -105,7 +98,7 @@ def pack(weight: quant.Weight) -> PackedWeight:
 
 
 def unpack(packed: PackedWeight) -> quant.Weight:
-    """`pack` undone (exact), on the host: a float32 matrix or an Int8Weight."""
+    """`pack` undone (exact), on the host: a float32 matrix, an Int8Weight or a Q4Weight."""
     if packed.kind == "int8":
         values, scales = packing.unpack_int8(packed)
         return quant.Int8Weight(values=values, scales=scales)

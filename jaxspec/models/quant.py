@@ -173,11 +173,11 @@ def quantize_q4(w: np.ndarray) -> Q4Weight:
     """4-bit blocks of a float matrix [O, I] on the host: per block of Q4_BLOCK inputs (the row
     zero-padded to whole blocks) the float16 minimum m and scale d = (max - min) / 15, and codes
     rint((w - m) / d) in [0, 15] against the stored (rounded) d, m."""
-    rotated = np.asarray(w, np.float32)  # (q4 is not rotated: the name keeps the int8 path's shape)
-    rows, in_features = rotated.shape
+    matrix = np.asarray(w, np.float32)
+    rows, in_features = matrix.shape
     blocks = -(-in_features // Q4_BLOCK)
     padded = np.zeros((rows, blocks * Q4_BLOCK), np.float32)
-    padded[:, :in_features] = rotated
+    padded[:, :in_features] = matrix
     grouped = padded.reshape(rows, blocks, Q4_BLOCK)
     low, high = grouped.min(axis=2), grouped.max(axis=2)
     limit = float(np.finfo(np.float16).max)
@@ -241,13 +241,12 @@ def _w8a8(w: Int8Weight, x: jax.Array) -> jax.Array:
 def quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """int8 of a feature-major activation [I, N] per token and block of Q4_BLOCK features (zero-
     padded to whole blocks): codes int8 [NB, 32, N] and a float32 scale per block and token [NB, N],
-    each block quantized as `quantize_tokens` quantizes a token."""
-    blocks = -(-x.shape[0] // Q4_BLOCK)
-    padded = jnp.pad(x, ((0, blocks * Q4_BLOCK - x.shape[0]), (0, 0))).reshape(blocks, Q4_BLOCK, -1)
-    absmax = jnp.max(jnp.abs(padded), axis=1)  # [NB, N]
-    scales = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
-    codes = jnp.clip(jnp.rint(padded / scales[:, None, :]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-    return codes, scales
+    each block quantized as `quantize_tokens` quantizes a token (it is one of its columns here)."""
+    blocks, tokens = -(-x.shape[0] // Q4_BLOCK), x.shape[1]
+    padded = jnp.pad(x, ((0, blocks * Q4_BLOCK - x.shape[0]), (0, 0))).reshape(blocks, Q4_BLOCK, tokens)
+    columns = padded.transpose(1, 0, 2).reshape(Q4_BLOCK, blocks * tokens)  # [32, NB*N]: a (block, token) each
+    codes, scales = quantize_tokens(columns)
+    return codes.reshape(Q4_BLOCK, blocks, tokens).transpose(1, 0, 2), scales.reshape(blocks, tokens)
 
 
 def _q4_product(w: Q4Weight, x: jax.Array) -> jax.Array:
