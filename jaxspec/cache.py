@@ -241,12 +241,20 @@ def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Arr
     A scatter with mode="drop": a write past the capacity is discarded, never clamped onto
     valid entries (dynamic_update_slice would clamp and silently overwrite the row's tail).
     """
-    steps = new.shape[1]
+    batch, steps = new.shape[:2]
+    slots = jnp.arange(steps)  # [T]: each row writes offset + slots
+    if batch * steps == 1:
+        # XLA:CPU rewrites a scatter of one window into a dynamic-update-slice, and its fusion
+        # then duplicates that into every reader of the buffer, each holding a copy of the whole
+        # buffer, every layer, every step. A second window, past the capacity and so dropped,
+        # keeps it one scatter done in place (tests/test_cache.py checks the compiled step).
+        new = jnp.concatenate([new, new], axis=1)
+        slots = jnp.array([0, buffer.shape[2]])  # offset + capacity >= capacity: dropped
 
     # Per row (vmapped: the scatter's batch dimension is explicit, so a mesh partitions it by rows
     # with no gather of the other rows' updates).
     def write_row(row: jax.Array, update: jax.Array, offset: jax.Array) -> jax.Array:  # [K, S, H] <- [T, K, H]
-        return row.at[:, offset + jnp.arange(steps)].set(update.swapaxes(0, 1).astype(row.dtype), mode="drop")
+        return row.at[:, offset + slots].set(update.swapaxes(0, 1).astype(row.dtype), mode="drop")
 
     return jax.vmap(write_row)(buffer, new, offsets)
 

@@ -173,3 +173,23 @@ def test_every_engine_program_traces_float32_products_at_full_precision_on_a_gpu
         pinned = _dot_precisions(on_gpu[name].as_text())
         assert pinned and set(pinned) == {"[HIGHEST, HIGHEST]"}, (name, sorted(set(pinned)))
         assert set(_dot_precisions(on_cpu[name].as_text())) == {"[DEFAULT, DEFAULT]"}, name
+
+
+@pytest.mark.parametrize("draft", [None, "model"], ids=["plain", "draft-model"])
+def test_a_batch_of_one_writes_its_kv_cache_in_place(tiny_model, draft):
+    """At batch 1 a decode step writes one K/V entry per layer. XLA:CPU turns a one-window
+    scatter into a dynamic-update-slice and duplicates it into each reader, copying every layer's
+    whole buffer several times a step (29% of the default model's q4 step); `cache.write_rows`
+    keeps it a scatter. The compiled decode loop must copy no buffer of a KV cache's shape."""
+    from tests.conftest import ENGINE_COMPILER_OPTIONS
+
+    options = dict(num_draft_tokens=2) if draft else {}
+    prepared = jaxspec.prepare(tiny_model, [[5, 6, 7]], tiny_model if draft else None, max_new_tokens=4,
+                               ignore_eos=True, **options)
+    args = (tiny_model.params, prepared.speculation.draft_inputs(tiny_model))
+    state = jax.eval_shape(lambda: loop.prefill_jit(*args, prepared.request, spec=prepared.spec))
+    program = loop.decode_jit.lower(*args, state, prepared.request, spec=prepared.spec).compile(
+        compiler_options=ENGINE_COMPILER_OPTIONS).as_text()
+    kv_shapes = {"f32[%s]" % ",".join(map(str, buffer.shape)) for buffer in state.cache.keys}
+    copied = [line.split(" copy(")[0].split("= ")[1] for line in program.splitlines() if " copy(" in line]
+    assert kv_shapes and not [shape for shape in copied if shape.split("{")[0] in kv_shapes], copied
