@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-format", default=None, help="the target's KV cache: f32 (default), bf16, q8_0, q5_1, "
                      "or K,V such as q8_0,q5_1")
     gen.add_argument("--attention", default=DEFAULTS.attention.value,
-                     help="auto (default), reference, pallas or interpret")
+                     help="auto (default: native on the native product backend, else reference), reference, native, pallas or interpret")
     gen.add_argument("--exit-layer", type=int, default=None,
                      help="with --method layer_skip: layers the draft keeps (default half)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

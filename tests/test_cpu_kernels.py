@@ -239,6 +239,11 @@ try:
     backends.resolve("native", WeightFormat.INT8)
 except InvalidRequestError as error:
     print("refused:", error)
+from jaxspec.pallas import flash_decode
+try:
+    flash_decode.resolve_attention("native")
+except InvalidRequestError as error:
+    print("attention refused:", error)
 """
 
 
@@ -273,6 +278,7 @@ def test_switched_off_by_environment_xla_serves(tmp_path):
                           timeout=300)
     assert done.stdout.splitlines()[0] == "xla xla"
     assert "JAXSPEC_CPU_KERNELS=off" in done.stderr
+    assert "attention refused: attention='native': the native CPU kernels are unavailable here" in done.stdout
 
 
 # ----------------------------------------------------------------------------------------------

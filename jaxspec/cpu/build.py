@@ -30,7 +30,7 @@ import tempfile
 import jax
 
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent
-SOURCES = ("isa.cc", "f32_matmul.cc", "int8_matmul.cc", "q4_matmul.cc")
+SOURCES = ("isa.cc", "f32_matmul.cc", "int8_matmul.cc", "q4_matmul.cc", "attention.cc")
 HEADERS = ("common.h",)
 LIBRARY_NAME = "libjaxspec_cpu.so"
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")  # -shared is ignored with -c

@@ -31,7 +31,7 @@ DISABLE_ENV = "JAXSPEC_CPU_KERNELS"  # "off": never build or use the native kern
 ISA_ENV = "JAXSPEC_CPU_ISA"
 # The instruction-set paths, narrowest first; their numbers are common.h's `Isa`.
 ISAS = ("scalar", "avx2", "avx512", "avx512vnni")
-TARGETS = ("jaxspec_f32_matmul", "jaxspec_int8_matmul", "jaxspec_q4_matmul")
+TARGETS = ("jaxspec_f32_matmul", "jaxspec_int8_matmul", "jaxspec_q4_matmul", "jaxspec_attention")
 MAX_INT8_INPUT = 1 << 16  # an int32 dot of 255 * 127 per term stays exact up to 66,000 terms
 
 _lock = threading.Lock()
@@ -152,3 +152,28 @@ def q4_matmul(weight: PackedWeight, x: jax.Array, *, isa: str | None = None, thr
     """q4 W [O, I] (packed 4-bit codes, per-block scales and minimums) @ x [I, N] -> float32
     [O, N]; the kernel quantizes x per token and block of 32 (q4_matmul.cc)."""
     return _product("q4", weight, x, (weight.data, weight.scales, weight.mins), isa, threads)
+
+
+def attention(q: jax.Array, keys: jax.Array, values: jax.Array, start: jax.Array, visible: jax.Array, *,
+              scale: float, isa: str | None = None, threads: int = 0) -> jax.Array:
+    """Decode / verify attention (attention.cc): q float32 [B, T, K, G, H] against keys and values
+    float32 [B, K, S, H]; query t of row b sees slots [0, start[b]) and each window slot
+    start[b] + m (m < M) where visible[b, t, m] (bool [B, T, M]); q . k is scaled by `scale`.
+    Returns float32 [B, T, K, G, H]; a query that sees no slot gets zeros."""
+    if q.ndim != 5 or q.dtype != jnp.float32:
+        raise InvalidRequestError(f"attention: q must be float32 [B, T, K, G, H]; got {q.dtype}{list(q.shape)}")
+    batch, steps, kv_heads, _, head_dim = q.shape
+    for name, buffer in (("keys", keys), ("values", values)):
+        if buffer.dtype != jnp.float32 or buffer.ndim != 4 or (buffer.shape[0], buffer.shape[1], buffer.shape[3]) != (
+                batch, kv_heads, head_dim):
+            raise InvalidRequestError(f"attention: {name} must be float32 [B={batch}, K={kv_heads}, S, H={head_dim}]; "
+                                      f"got {buffer.dtype}{list(buffer.shape)}")
+    if keys.shape != values.shape:
+        raise InvalidRequestError(f"attention: keys {list(keys.shape)} and values {list(values.shape)} differ")
+    if start.shape != (batch,) or visible.ndim != 3 or visible.shape[:2] != (batch, steps):
+        raise InvalidRequestError(f"attention: start must be [B={batch}] and visible [B={batch}, T={steps}, M]; "
+                                  f"got {list(start.shape)} and {list(visible.shape)}")
+    call = jax.ffi.ffi_call("jaxspec_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(q, keys, values, start.astype(jnp.int32), visible.astype(jnp.bool_), scale=np.float32(scale),
+                isa=_isa_number(isa), threads=np.int64(threads))

@@ -68,3 +68,27 @@ def q4_matmul(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, in_featur
         acc = (dots[:, b].astype(np.float64) * step + acc).astype(np.float32)
         acc = (m[:, b, None].astype(np.float64) * offsets[b][None, :] + acc).astype(np.float32)
     return acc
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: np.ndarray, visible: np.ndarray,
+              scale: float) -> np.ndarray:
+    """Softmax attention in float64 over the slots each query sees: q [B, T, K, G, H], keys and
+    values [B, K, S, H], start int[B], visible bool[B, T, M]; query t of row b sees slots
+    [0, start[b]) and start[b] + m where visible[b, t, m]. -> float32 [B, T, K, G, H] (zeros for a
+    query that sees nothing)."""
+    q, keys, values = (np.asarray(a, np.float64) for a in (q, keys, values))
+    batch, steps, _, _, _ = q.shape
+    capacity, window = keys.shape[2], visible.shape[2]
+    out = np.zeros(q.shape, np.float64)
+    for b in range(batch):
+        first = min(max(int(start[b]), 0), capacity)
+        for t in range(steps):
+            window_slots = [first + m for m in range(window) if first + m < capacity and visible[b, t, m]]
+            slots = np.array(list(range(first)) + window_slots, np.int64)
+            if not slots.size:
+                continue
+            scores = np.einsum("kgh,ksh->kgs", q[b, t] * scale, keys[b][:, slots])  # [K, G, n]
+            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            probs /= probs.sum(axis=-1, keepdims=True)
+            out[b, t] = np.einsum("kgs,ksh->kgh", probs, values[b][:, slots])
+    return out.astype(np.float32)

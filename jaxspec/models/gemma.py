@@ -49,8 +49,8 @@ from jaxspec.config import (RopeScaling, _rope_settings, check_sizes_and_numeric
                             from_json_dict, rope_scaling_from_dict, to_json_dict)
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models.family import Family, TensorSource
-from jaxspec.models.layers import (AttentionParams, MlpParams, apply_rope, gelu_tanh, logits_head, output_head,
-                                   qkv_projections, rms_norm, rope_tables, swiglu)
+from jaxspec.models.layers import (AttentionParams, MlpParams, apply_rope, attention_path, gelu_tanh, logits_head,
+                                   output_head, qkv_projections, rms_norm, rope_tables, swiglu)
 from jaxspec.models.params import LeafFn, param
 from jaxspec.models.quant import embedding_rows, matmul
 from jaxspec.pallas.flash_decode import Attention, TreeMask, attend, quantize_for
@@ -371,6 +371,7 @@ def attention_layer(weights: AttentionParams, spec: GemmaAttention, cfg: GemmaCo
     its T entries at `offsets` and returns the buffers; a sharing layer reads `keys`/`values` (its
     source's, this forward's entries already in them) and returns them unchanged."""
     N, K, G, H = spec.num_heads, spec.num_kv_heads, spec.group_size, spec.head_dim
+    attention = attention_path(attention, weights)
     if weights.qkv_proj is not None:  # fused on load (`fuse_projections`): only layers with all three
         q, raw, v = (part.reshape(-1, H, batch, steps) for part in qkv_projections(weights, x))
     else:

@@ -26,6 +26,7 @@ from flax import struct
 
 from jaxspec.cache import write_kv
 from jaxspec.config import RopeScaling, RopeType
+from jaxspec.cpu.packing import PackedWeight
 from jaxspec.errors import UnsupportedModelError
 from jaxspec.pallas.flash_decode import Attention, TreeMask, attend, quantize_for
 from jaxspec.models.draft_chain import DraftChain, chain_attention
@@ -312,6 +313,7 @@ def self_attention(
         # The new keys/values land at each row's own offset (quantized on the way in for a block
         # format); attention then reads them back from the cache like every other slot, so a T = 1
         # and a T = k+1 forward see the same stored values.
+        attention = attention_path(attention, weights)
         quantize = quantize_for(attention)
         keys = write_kv(keys, jnp.transpose(k, (2, 3, 0, 1)), offsets, quantize)  # [B, K, S, H]
         values = write_kv(values, jnp.transpose(v, (2, 3, 0, 1)), offsets, quantize)
@@ -320,6 +322,16 @@ def self_attention(
     if gate is not None:
         out = out * jax.nn.sigmoid(gate.reshape(N * H, batch * steps))  # per head dim
     return matmul(weights.o_proj, out), keys, values
+
+
+def attention_path(attention: Attention | str, weights: AttentionParams) -> Attention | str:
+    """The attention a layer runs: "auto" on the native product backend (its weights packed for
+    jaxspec.cpu) is the native kernel, so a native model runs its decode attention natively too;
+    anything else as asked."""
+    projection = weights.qkv_proj if weights.qkv_proj is not None else weights.q_proj
+    if Attention.parse(attention) is Attention.AUTO and isinstance(projection, PackedWeight):
+        return Attention.NATIVE
+    return attention
 
 
 def swiglu(weights: MlpParams, x: jax.Array, activation: Callable[[jax.Array], jax.Array] = jax.nn.silu) -> jax.Array:

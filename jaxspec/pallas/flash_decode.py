@@ -78,6 +78,10 @@ DECODE_SCORES_LAYOUT = "query-major"
 # way (exp and sums round differently): the decode reference keeps its scores at least this big
 # (flash_decode_reference), measured as the size where a softmax's rows stop depending on the count.
 WHOLE_LOOP_ELEMENTS = 4096
+# The native kernel takes every forward of up to this many tokens a row: every decode step and
+# verify (a tree's verify is at most spec.tree.MAX_TREE_NODES + 1 = 129 tokens); a longer prompt
+# chunk goes to the reference, whose products are faster at prefill sizes.
+NATIVE_MAX_TOKENS = 256
 
 
 class Attention(Choice):
@@ -85,6 +89,7 @@ class Attention(Choice):
     REFERENCE = "reference"  # flash_decode_reference (XLA)
     PALLAS = "pallas"  # the Pallas kernel, compiled natively (GPU)
     INTERPRET = "interpret"  # the Pallas kernel in the Pallas interpreter (tests on CPU)
+    NATIVE = "native"  # the C++ kernel of jaxspec.cpu (CPU); AUTO on the native product backend
 
 
 @struct.dataclass
@@ -145,6 +150,14 @@ def resolve_attention(attention: Attention | str) -> Attention:
         return Attention.REFERENCE
     if attention is Attention.PALLAS and backend != "gpu":
         kv_quant.check_backend(False, "attention='pallas'")
+    if attention is Attention.NATIVE:
+        from jaxspec.cpu import kernels
+
+        if backend != "cpu":
+            raise InvalidRequestError(f"attention='native' runs on a CPU; this backend is {backend}")
+        if not kernels.available():
+            raise InvalidRequestError(f"attention='native': the native CPU kernels are unavailable here: "
+                                      f"{kernels.unavailable_reason()}")
     return attention
 
 
@@ -502,6 +515,11 @@ def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, ma
     sliding window (`mask_visible`), which the kernel does not take yet (Gemma's local layers run
     on the reference; its global layers, with their own `scale`, on the kernel when asked for)."""
     path = resolve_attention(attention)
+    if path is Attention.NATIVE:
+        if window is None and q.shape[1] <= NATIVE_MAX_TOKENS and not isinstance(keys, kv_quant.Q8_0 | kv_quant.Q5_1) \
+                and not isinstance(values, kv_quant.Q8_0 | kv_quant.Q5_1):
+            return _native_attention(q, keys, values, lengths, mask, scale)
+        path = Attention.REFERENCE
     if q.shape[1] * q.shape[3] > MAX_KERNEL_QUERIES:
         path = Attention.REFERENCE
     if window is not None:
@@ -513,6 +531,23 @@ def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, ma
         return flash_decode(q, keys, values, lengths, mask=mask, scale=scale, block_s=16, split_size=64,
                             interpret=True)
     return flash_decode_reference(q, keys, values, lengths, mask=mask, scale=scale)
+
+
+def _native_attention(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, mask: TreeMask | None,
+                      scale: float | None) -> jax.Array:
+    """The native kernel (jaxspec.cpu.kernels.attention) under `mask_visible`'s rule: a tree's
+    mask as it is; the causal rule as a window at the row's length where token t sees m <= t."""
+    from jaxspec.cpu import kernels
+
+    batch, steps, _, _, head_dim = q.shape
+    if mask is None:
+        causal = jnp.arange(steps)[None, :] <= jnp.arange(steps)[:, None]  # [T, T]: m <= t
+        mask = TreeMask(start=lengths, visible=jnp.broadcast_to(causal, (batch, steps, steps)))
+    else:
+        _check_mask(mask, batch, steps)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    return kernels.attention(q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32), mask.start,
+                             mask.visible, scale=scale)
 
 
 def quantize_for(attention: Attention | str):

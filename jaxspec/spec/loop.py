@@ -61,7 +61,7 @@ class LoopSpec:
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stops, matched on device
     proposer: Proposer | None = None  # None: plain decoding
     kv_format: KVFormat | None = None  # the target's K/V storage; None: the trunk's default (float32)
-    attention: str = "auto"  # jaxspec.pallas.Attention: "auto" | "reference" | "pallas" | "interpret"
+    attention: str = "auto"  # jaxspec.pallas.Attention: "auto" | "reference" | "native" | "pallas" | "interpret"
     # Decode forwards carry a multiple of this many tokens, B * T (jaxspec.models.backends,
     # `Backend.token_lanes`): 1 for width-invariant products (float32, or the native CPU kernels);
     # under XLA's int8 / bf16 products every token then takes the same code path in a step and in
