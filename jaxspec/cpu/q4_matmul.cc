@@ -177,9 +177,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const Oper
     for (int n = 0; n < NT; ++n) acc[g][n] = _mm512_setzero_ps();
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < op.blocks; ++b) {
-    __m512i x[NT][8];
-    for (int n = 0; n < NT; ++n)
-      for (int w = 0; w < 8; ++w) x[n][w] = _mm512_set1_epi32(token_word(*op.q, n0 + n, b, w));
     for (int g = 0; g < GT; ++g) {
       const int64_t at = (g0 + g) * op.blocks + b;
       const uint8_t* block = op.codes + at * kBlockBytes;
@@ -192,8 +189,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const Oper
         const __m512i first = _mm512_and_si512(packed, low_nibbles);
         const __m512i second = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
         for (int n = 0; n < NT; ++n) {
-          dot[n] = _mm512_dpbusd_epi32(dot[n], first, x[n][2 * v]);
-          dot_high[n] = _mm512_dpbusd_epi32(dot_high[n], second, x[n][2 * v + 1]);
+          // The token's words broadcast straight from memory (an operand of the multiply-add).
+          dot[n] = _mm512_dpbusd_epi32(dot[n], first, _mm512_set1_epi32(token_word(*op.q, n0 + n, b, 2 * v)));
+          dot_high[n] = _mm512_dpbusd_epi32(dot_high[n], second, _mm512_set1_epi32(token_word(*op.q, n0 + n, b, 2 * v + 1)));
         }
       }
       for (int n = 0; n < NT; ++n) dot[n] = _mm512_add_epi32(dot[n], dot_high[n]);
