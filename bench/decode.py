@@ -69,7 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from results_md import add_output_options, load_variant, peer_versions, replace_section, run_stamp, weight_formats  # bench/ is on sys.path when a bench script runs
+from results_md import add_output_options, isa_heading, load_variant, peer_versions, replace_section, run_stamp, weight_formats  # bench/ is on sys.path when a bench script runs
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_QUESTIONS = HERE / "data" / "spec_bench" / "question.jsonl"
@@ -301,7 +301,7 @@ def build_report(args, prompts, prompt_lengths, runs, weight_bytes, bandwidths, 
     jx = runs[REFERENCE]
     settings = MODELS[args.model]
     lines = []
-    lines.append(f"{settings.section}\n")
+    lines.append(f"{isa_heading(settings.section)}\n")
     has_hf = any(name.startswith("HF ") for name in runs)
     versions = [peer_versions()] if has_hf else []
     weights = ["jaxspec" + (" and HF dequantize" if has_hf else " dequantizes")
@@ -422,7 +422,7 @@ def _commit() -> str:
 
 def write_section(path: pathlib.Path, section: str, model: str = DEFAULT_MODEL) -> None:
     """Replace this script's section of RESULTS.md for `model`, keep the rest."""
-    replace_section(path, MODELS[model].section, section)
+    replace_section(path, isa_heading(MODELS[model].section), section)
 
 
 # ---------------------------------------------------------------------------------------------

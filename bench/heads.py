@@ -144,9 +144,9 @@ def undraftable_share(head, token_rows: list[list[int]]) -> float | None:
 def run_group(model, head, prompts: list[str], plain_tokens, divergences: list[str], exact: bool, label: str,
               **options) -> jaxspec.SpecStats:
     """Speculative greedy over `prompts` in one batch, checked against plain greedy. Where greedy
-    is exact (float32 weights, or a chain) a difference is a bug and ends the run; a tree under
-    int8 or bf16 weights is exact only up to rounding flips (docs/design.md: a node reads its
-    ancestors from other slots than a plain step), so there its first divergence is recorded,
+    is exact (float32 weights, a chain, or the native backend) a difference is a bug and ends the
+    run; a tree under XLA's int8 or bf16 products is exact only up to rounding flips (docs/design.md:
+    a node reads its ancestors from other slots than a plain step), so there its first divergence is recorded,
     named by `label` (group, head, drafts)."""
     result = jaxspec.generate(model, head, prompts, chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True, **options)
     for row, (ours, theirs) in enumerate(zip(result.tokens, plain_tokens)):
@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, head in heads.items():
             undraftable[name][group] = undraftable_share(head, plain.tokens)
             for kind, value, options in settings:
-                exact = args.weight_format == "f32" or kind == "chain"
+                # The native backend's attention is tree-exact by construction (docs/design.md).
+                exact = args.weight_format == "f32" or kind == "chain" or model.products.name.value == "native"
                 stats = run_group(model, head, prompts, plain.tokens, divergences, exact,
                                   f"{group} {name} {kind} {value}", **options)
                 key = (name, f"{kind} {value}")

@@ -85,6 +85,13 @@ def cpu_description() -> str:
     return f"{field('model name') or platform.machine()}{family} [{' '.join(shown) or 'no AVX2'}]"
 
 
+def isa_heading(heading: str) -> str:
+    """A section heading for this run: its own when JAXSPEC_CPU_ISA forces the native kernels'
+    path, so a run on the AVX2 path keeps the widest path's table beside it."""
+    forced = os.environ.get("JAXSPEC_CPU_ISA")
+    return f"{heading[:-1]}, JAXSPEC_CPU_ISA={forced})" if forced else heading
+
+
 def peer_versions() -> str:
     """"torch X, transformers Y" for a report's header (the HF peers' versions)."""
     try:

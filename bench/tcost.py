@@ -35,7 +35,7 @@ import time
 import jax
 
 from forward_cost import forward_costs  # bench/ is on sys.path when a bench script runs
-from results_md import add_output_options, load_variant, publish, run_stamp, weight_formats
+from results_md import add_output_options, isa_heading, load_variant, publish, run_stamp, weight_formats
 
 HERE = pathlib.Path(__file__).resolve().parent
 SECTION = "## T-cost curve (bench/tcost.py)"
@@ -92,15 +92,6 @@ def build_fusion_section(args, costs: dict, machine: dict) -> str:
     return "\n".join(lines)
 
 
-def _heading() -> str:
-    """The section this run replaces: its own for a forced instruction-set path, so a run on the
-    AVX2 path keeps the widest path's table beside it."""
-    from jaxspec.cpu import kernels
-
-    forced = os.environ.get(kernels.ISA_ENV)
-    return f"{SECTION[:-1]}, {kernels.ISA_ENV}={forced})" if forced else SECTION
-
-
 def _native_path() -> str:
     """", native kernels on the <isa> path" where they serve here."""
     from jaxspec.cpu import kernels
@@ -115,7 +106,7 @@ def build_section(args, costs: dict, weight_mb: dict, machine: dict) -> str:
     # The float32 row the others are read against: XLA's where measured (the reference), else the first.
     f32_rows = [label for label in formats if label.startswith("f32")]
     reference = next((label for label in f32_rows if label.endswith("xla")), f32_rows[0] if f32_rows else None)
-    lines = [_heading(), ""]
+    lines = [isa_heading(SECTION), ""]
     lines.append(
         f"{run_stamp(machine['load'])} jax {jax.__version__} on {jax.default_backend()}{_native_path()}. SmolLM2-135M-Instruct, batch 1, a cache of "
         f"{args.capacity} slots holding {args.length} tokens; one forward of T new tokens (all T logits), "
@@ -179,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         costs, weight_mb = measure(args)
         machine = dict(load=(load_before[0], os.getloadavg()[0]), seconds=time.perf_counter() - began)
-        heading, section = _heading(), build_section(args, costs, weight_mb, machine)
+        heading, section = isa_heading(SECTION), build_section(args, costs, weight_mb, machine)
     print()
     publish(section, heading, args.results, write=not args.no_write)
     return 0

@@ -409,3 +409,24 @@ def test_q4_widths_off_the_block_layout_are_padded_exactly():
     spec = jaxspec.generate(native, None, PROMPTS, max_new_tokens=12, ignore_eos=True, method="ngram",
                             num_draft_tokens=3)
     assert spec.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("fmt", ["f32", "int8", "q4"])
+def test_the_hybrid_trunk_speculates_exactly_on_native_products(fmt):
+    """Qwen3.5's hybrid trunk (Gated DeltaNet layers beside gated attention) on the native backend:
+    its products and its attention layers go native, and prompt lookup equals plain greedy with no
+    padding (the hybrid takes no token lanes on the XLA backend either)."""
+    from conftest import HYBRID_CONFIG
+    from jaxspec.models import qwen35
+
+    model = jaxspec.Model(config=HYBRID_CONFIG, params=qwen35.init_params(HYBRID_CONFIG, jax.random.PRNGKey(1)))
+    native = _native(model, fmt)
+    assert native.products.name is Products.NATIVE
+    prompts = [[3, 7, 9, 11, 3, 7, 9, 11, 3, 7], [5, 6, 5, 6, 5, 6, 5]]
+    plain = jaxspec.generate(native, None, prompts, max_new_tokens=16, ignore_eos=True)
+    spec = jaxspec.generate(native, None, prompts, max_new_tokens=16, ignore_eos=True, method="ngram",
+                            num_draft_tokens=3)
+    assert spec.tokens == plain.tokens and spec.stats.proposed > 0
+    xla = jaxspec.generate(jaxspec.convert_weights(model, fmt), None, prompts, max_new_tokens=16, ignore_eos=True)
+    if fmt == "f32":  # the same float32 model on XLA's products: the same greedy tokens
+        assert xla.tokens == plain.tokens

@@ -89,23 +89,23 @@ void query_scalar(const float* q, const float* keys, const float* values, const 
   }
 }
 
-__attribute__((target("avx2,fma"))) void query_avx2(const float* q, const float* keys, const float* values,
-                                                    const int32_t* slots, int64_t count, int64_t head_dim,
-                                                    float* scores, float* out) {
-  const int64_t wide = head_dim - head_dim % 8;
+// The vector paths take the `group` queries of one (row, token, kv head) together: each key and
+// value row is loaded once for all of them, and their multiply-add chains interleave. A query's
+// own arithmetic is fixed: its dot with a key in one chain per vector of H then one lane sum, the
+// exps vectorized over consecutive entries of its score list, its output one chain per vector of
+// H over the slots in order. Scratch: scores [G, count], sums [G].
+
+__attribute__((target("avx2,fma"))) float lane_sum_avx2(__m256 v) {
+  // Lanes summed as (0+4, 1+5, 2+6, 3+7), then pairs, then the last two: one fixed order.
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+// exp(score - max) in place over one query's scores; returns their sum.
+__attribute__((target("avx2,fma"))) float softmax_avx2(float* scores, int64_t count) {
   float top = -INFINITY;
-  for (int64_t i = 0; i < count; ++i) {
-    const float* key = keys + slots[i] * head_dim;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t h = 0; h < wide; h += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h), _mm256_loadu_ps(key + h), acc);
-    // Lanes summed as (0+4, 1+5, 2+6, 3+7), then pairs, then the last two: one fixed order.
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    float dot = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-    for (int64_t h = wide; h < head_dim; ++h) dot = std::fma(q[h], key[h], dot);
-    scores[i] = dot;
-    top = std::fmax(top, dot);
-  }
+  for (int64_t i = 0; i < count; ++i) top = std::fmax(top, scores[i]);
   const __m256 top8 = _mm256_set1_ps(top);
   __m256 sums = _mm256_setzero_ps();
   int64_t i = 0;
@@ -114,38 +114,14 @@ __attribute__((target("avx2,fma"))) void query_avx2(const float* q, const float*
     _mm256_storeu_ps(scores + i, e);
     sums = _mm256_add_ps(sums, e);
   }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, sums);
-  float sum = 0.0f;
-  for (float lane : lanes) sum += lane;
+  float sum = lane_sum_avx2(sums);
   for (; i < count; ++i) sum += (scores[i] = exp_scalar(scores[i] - top));
-  for (int64_t h = 0; h < wide; h += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < count; ++j)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(values + slots[j] * head_dim + h), acc);
-    _mm256_storeu_ps(out + h, count ? _mm256_div_ps(acc, _mm256_set1_ps(sum)) : _mm256_setzero_ps());
-  }
-  for (int64_t h = wide; h < head_dim; ++h) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < count; ++j) acc = std::fma(scores[j], values[slots[j] * head_dim + h], acc);
-    out[h] = count ? acc / sum : 0.0f;
-  }
+  return sum;
 }
 
-__attribute__((target("avx512f"))) void query_avx512(const float* q, const float* keys, const float* values,
-                                                     const int32_t* slots, int64_t count, int64_t head_dim,
-                                                     float* scores, float* out) {
-  const int64_t wide = head_dim - head_dim % 16;
+__attribute__((target("avx512f"))) float softmax_avx512(float* scores, int64_t count) {
   float top = -INFINITY;
-  for (int64_t i = 0; i < count; ++i) {
-    const float* key = keys + slots[i] * head_dim;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t h = 0; h < wide; h += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h), _mm512_loadu_ps(key + h), acc);
-    float dot = _mm512_reduce_add_ps(acc);
-    for (int64_t h = wide; h < head_dim; ++h) dot = std::fma(q[h], key[h], dot);
-    scores[i] = dot;
-    top = std::fmax(top, dot);
-  }
+  for (int64_t i = 0; i < count; ++i) top = std::fmax(top, scores[i]);
   const __m512 top16 = _mm512_set1_ps(top);
   __m512 sums = _mm512_setzero_ps();
   int64_t i = 0;
@@ -156,27 +132,142 @@ __attribute__((target("avx512f"))) void query_avx512(const float* q, const float
   }
   float sum = _mm512_reduce_add_ps(sums);
   for (; i < count; ++i) sum += (scores[i] = exp_scalar(scores[i] - top));
-  for (int64_t h = 0; h < wide; h += 16) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < count; ++j)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_loadu_ps(values + slots[j] * head_dim + h), acc);
-    _mm512_storeu_ps(out + h, count ? _mm512_div_ps(acc, _mm512_set1_ps(sum)) : _mm512_setzero_ps());
-  }
-  for (int64_t h = wide; h < head_dim; ++h) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < count; ++j) acc = std::fma(scores[j], values[slots[j] * head_dim + h], acc);
-    out[h] = count ? acc / sum : 0.0f;
+  return sum;
+}
+
+// q . k for GN queries q [GN, H] against each seen key -> scores [GN, count]. H a multiple of the lanes.
+template <int GN>
+__attribute__((target("avx2,fma"))) void scores_avx2(const float* q, const float* keys, const int32_t* slots,
+                                                     int64_t count, int64_t head_dim, float* scores) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float* key = keys + slots[i] * head_dim;
+    __m256 acc[GN];
+    for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t h = 0; h < head_dim; h += 8) {
+      const __m256 k = _mm256_loadu_ps(key + h);
+      for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + h), k, acc[g]);
+    }
+    for (int g = 0; g < GN; ++g) scores[g * count + i] = lane_sum_avx2(acc[g]);
   }
 }
 
-void query(int64_t isa, const float* q, const float* keys, const float* values, const int32_t* slots, int64_t count,
-           int64_t head_dim, float* scores, float* out) {
-  switch (isa) {
-    case kAvx512:
-    case kAvx512Vnni: return query_avx512(q, keys, values, slots, count, head_dim, scores, out);
-    case kAvx2: return query_avx2(q, keys, values, slots, count, head_dim, scores, out);
-    default: return query_scalar(q, keys, values, slots, count, head_dim, scores, out);
+// Four slots' 16-lane dots summed at once: each output lane is one slot's lanes summed in one
+// fixed tree (halves, then adjacent pairs twice, then 128-bit halves), whatever the other three
+// hold, so a slot's score does not depend on its neighbours in the block.
+__attribute__((target("avx512f"))) __m256 fold_avx512(__m512 a) {  // lanes i + (i + 8)
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+__attribute__((target("avx512f"))) __m128 lane_sums4_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const auto fold = fold_avx512;
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(fold(a0), fold(a1)), _mm256_hadd_ps(fold(a2), fold(a3)));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+template <int GN>
+__attribute__((target("avx512f"))) void scores_avx512(const float* q, const float* keys, const int32_t* slots,
+                                                      int64_t count, int64_t head_dim, float* scores) {
+  for (int64_t i = 0; i < count; i += 4) {
+    const int64_t here = std::min<int64_t>(4, count - i);
+    __m512 acc[GN][4];
+    for (int g = 0; g < GN; ++g)
+      for (int s = 0; s < 4; ++s) acc[g][s] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < head_dim; h += 16) {
+      for (int s = 0; s < here; ++s) {
+        const __m512 k = _mm512_loadu_ps(keys + slots[i + s] * head_dim + h);
+        for (int g = 0; g < GN; ++g) acc[g][s] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + h), k, acc[g][s]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      float dots[4];
+      _mm_storeu_ps(dots, lane_sums4_avx512(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+      for (int s = 0; s < here; ++s) scores[g * count + i + s] = dots[s];
+    }
   }
+}
+
+// out[g, h0 : h0 + NV vectors] = sum_j p[g, j] v[slot_j, ...] / sums[g], for GN queries.
+template <int GN, int NV>
+__attribute__((target("avx2,fma"))) void values_avx2(const float* values, const int32_t* slots, int64_t count,
+                                                     int64_t head_dim, int64_t h0, const float* probs,
+                                                     const float* sums, float* out) {
+  __m256 acc[GN][NV];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; ++j) {
+    const float* row = values + slots[j] * head_dim + h0;
+    __m256 v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = _mm256_loadu_ps(row + 8 * c);
+    for (int g = 0; g < GN; ++g) {
+      const __m256 p = _mm256_set1_ps(probs[g * count + j]);
+      for (int c = 0; c < NV; ++c) acc[g][c] = _mm256_fmadd_ps(p, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NV; ++c)
+      _mm256_storeu_ps(out + g * head_dim + h0 + 8 * c,
+                       count ? _mm256_div_ps(acc[g][c], _mm256_set1_ps(sums[g])) : _mm256_setzero_ps());
+}
+
+template <int GN, int NV>
+__attribute__((target("avx512f"))) void values_avx512(const float* values, const int32_t* slots, int64_t count,
+                                                       int64_t head_dim, int64_t h0, const float* probs,
+                                                       const float* sums, float* out) {
+  __m512 acc[GN][NV];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; ++j) {
+    const float* row = values + slots[j] * head_dim + h0;
+    __m512 v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(row + 16 * c);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * count + j]);
+      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NV; ++c)
+      _mm512_storeu_ps(out + g * head_dim + h0 + 16 * c,
+                       count ? _mm512_div_ps(acc[g][c], _mm512_set1_ps(sums[g])) : _mm512_setzero_ps());
+}
+
+// Queries per block (registers: GN x 4 accumulators) and vectors of H per block of the output.
+constexpr int64_t kQueryBlock512 = 4, kQueryBlock256 = 2, kValueVectors = 4;
+
+// Runs `call(std::integral_constant<int, N>{})` for a runtime n in [1, 4].
+template <typename Call>
+void with_count(int64_t n, Call&& call) {
+  switch (n) {
+    case 1: return call(std::integral_constant<int, 1>{});
+    case 2: return call(std::integral_constant<int, 2>{});
+    case 3: return call(std::integral_constant<int, 3>{});
+    default: return call(std::integral_constant<int, 4>{});
+  }
+}
+
+// One (row, token, kv head) on a vector path: q [G, H] (scaled), out [G, H].
+void head_vector(bool wide, const float* q, const float* keys, const float* values, const int32_t* slots,
+                 int64_t count, int64_t group, int64_t head_dim, float* scores, float* sums, float* out) {
+  const int64_t query_block = wide ? kQueryBlock512 : kQueryBlock256, lanes = wide ? 16 : 8;
+  for (int64_t g0 = 0; g0 < group; g0 += query_block)
+    with_count(std::min(query_block, group - g0), [&](auto gn) {
+      constexpr int GN = decltype(gn)::value;
+      if (wide) scores_avx512<GN>(q + g0 * head_dim, keys, slots, count, head_dim, scores + g0 * count);
+      else scores_avx2<GN>(q + g0 * head_dim, keys, slots, count, head_dim, scores + g0 * count);
+    });
+  for (int64_t g = 0; g < group; ++g)
+    sums[g] = wide ? softmax_avx512(scores + g * count, count) : softmax_avx2(scores + g * count, count);
+  for (int64_t g0 = 0; g0 < group; g0 += query_block)
+    for (int64_t h0 = 0; h0 < head_dim; h0 += kValueVectors * lanes)
+      with_count(std::min(query_block, group - g0), [&](auto gn) {
+        with_count(std::min(kValueVectors, (head_dim - h0) / lanes), [&](auto nv) {
+          constexpr int GN = decltype(gn)::value, NV = decltype(nv)::value;
+          if (wide)
+            values_avx512<GN, NV>(values, slots, count, head_dim, h0, scores + g0 * count, sums + g0, out + g0 * head_dim);
+          else
+            values_avx2<GN, NV>(values, slots, count, head_dim, h0, scores + g0 * count, sums + g0, out + g0 * head_dim);
+        });
+      });
 }
 
 // Below this many multiply-adds a call stays on one thread: handing out work costs more.
@@ -216,22 +307,29 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       if (row[m]) slots[count++] = static_cast<int32_t>(first + m);
     return count;
   };
+  // The widest vector path H fits (a multiple of its lanes), else the scalar one: a shape always
+  // takes the same path on a machine, so its bits never depend on the call.
+  const bool avx512 = (isa == kAvx512 || isa == kAvx512Vnni) && head_dim % 16 == 0;
+  const bool avx2 = !avx512 && isa != kScalar && head_dim % 8 == 0;
   const int64_t work = batch * steps * kv_heads * group * capacity * head_dim;
-  // A unit is one (row, token): its slot list is shared by the K * G queries it holds.
-  parallel_units(pool, batch * steps, 1, work < kThreadedWork ? 1 : threads, [&](int64_t begin, int64_t end) {
+  // A unit is one (row, token, kv head): its G queries read the same slots.
+  parallel_units(pool, batch * steps * kv_heads, 1, work < kThreadedWork ? 1 : threads, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> slots(static_cast<size_t>(capacity));
-    std::vector<float> scores(static_cast<size_t>(capacity)), scaled(static_cast<size_t>(head_dim));
+    std::vector<float> scores(static_cast<size_t>(group * capacity)), sums(static_cast<size_t>(group));
+    std::vector<float> scaled(static_cast<size_t>(group * head_dim));
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t b = unit / steps, t = unit % steps;
+      const int64_t b = unit / (steps * kv_heads), t = unit / kv_heads % steps, k = unit % kv_heads;
       const int64_t count = visible_slots(b, t, slots.data());
-      for (int64_t k = 0; k < kv_heads; ++k) {
-        const int64_t cache_offset = (b * kv_heads + k) * capacity * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t offset = (((b * steps + t) * kv_heads + k) * group + g) * head_dim;
-          for (int64_t h = 0; h < head_dim; ++h) scaled[h] = query_data[offset + h] * scale;
-          query(isa, scaled.data(), key_data + cache_offset, value_data + cache_offset, slots.data(), count, head_dim,
-                scores.data(), result + offset);
-        }
+      const int64_t cache_offset = (b * kv_heads + k) * capacity * head_dim;
+      const int64_t offset = ((b * steps + t) * kv_heads + k) * group * head_dim;  // the G query rows
+      for (int64_t i = 0; i < group * head_dim; ++i) scaled[i] = query_data[offset + i] * scale;
+      if (avx512 || avx2) {
+        head_vector(avx512, scaled.data(), key_data + cache_offset, value_data + cache_offset, slots.data(), count,
+                    group, head_dim, scores.data(), sums.data(), result + offset);
+      } else {
+        for (int64_t g = 0; g < group; ++g)
+          query_scalar(scaled.data() + g * head_dim, key_data + cache_offset, value_data + cache_offset, slots.data(),
+                       count, head_dim, scores.data(), result + offset + g * head_dim);
       }
     }
   });

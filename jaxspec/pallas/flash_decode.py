@@ -509,11 +509,14 @@ def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array,
 def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, mask: TreeMask | None = None,
            window: int | None = None, query_positions: jax.Array | None = None, scale: float | None = None,
            attention: Attention | str = Attention.AUTO) -> jax.Array:
-    """The one dispatch: `flash_decode` or `flash_decode_reference` per the switch.
+    """The one dispatch: `flash_decode`, the native CPU kernel or `flash_decode_reference` per the
+    switch.
 
-    Any path takes the reference for prefill-sized T (G*T > MAX_KERNEL_QUERIES), and for a
-    sliding window (`mask_visible`), which the kernel does not take yet (Gemma's local layers run
-    on the reference; its global layers, with their own `scale`, on the kernel when asked for)."""
+    Any path takes the reference for prefill-sized T (G*T > MAX_KERNEL_QUERIES for the Pallas
+    kernel, T > NATIVE_MAX_TOKENS for the native one), and for a sliding window (`mask_visible`),
+    which the kernels do not take yet (Gemma's local layers run on the reference; its global
+    layers, with their own `scale`, on a kernel when asked for). The native kernel reads float32
+    buffers: a block-quantized cache takes the reference too."""
     path = resolve_attention(attention)
     if path is Attention.NATIVE:
         if window is None and q.shape[1] <= NATIVE_MAX_TOKENS and not isinstance(keys, kv_quant.Q8_0 | kv_quant.Q5_1) \
