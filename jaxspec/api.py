@@ -23,7 +23,7 @@ from jaxspec import checkpoints, compilation
 from jaxspec import grammar as grammar_lib
 from jaxspec.cache import KVFormat
 from jaxspec.errors import InvalidRequestError, check_text, is_integer
-from jaxspec.model import Model, layer_skip, lm_head_of, on_mesh_of, with_weight_format
+from jaxspec.model import Model, check_trunk, layer_skip, lm_head_of, on_mesh_of, with_weight_format
 from jaxspec.models import backends, quant
 from jaxspec.models.backends import Products
 from jaxspec.models.qwen35 import Qwen35Config
@@ -313,6 +313,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
         options = dataclasses.replace(options, **overrides)
     if not isinstance(model, Model):
         raise InvalidRequestError(f"model must be a jaxspec Model (from jaxspec.load); got {type(model).__name__}")
+    check_trunk(model, "the target")
     cfg = model.config
     if options.kv_format is not None:
         options.kv_format.check(cfg)
@@ -344,6 +345,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
                 f"context of {context} tokens")
     stop_token_ids, stop_sequences = _stop_ids_and_sequences(model, options)
     grammars = _grammars(model, options, len(rows))  # compiled on the host, before anything is traced
+    options.sampling_rows(len(rows), len(rows))  # a per-row list of another length: refused now, by name
 
     # On a mesh the batch is padded to whole "data" shards with one-token rows that end at once.
     data_rows = 1 if plan is None else plan.data_size
@@ -367,7 +369,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
         prompt=jnp.asarray(padded),
         prompt_length=jnp.asarray([len(r) for r in rows] + [1] * filler_rows, jnp.int32),
         max_new_tokens=jnp.asarray([max_new_tokens] * len(rows) + [1] * filler_rows, jnp.int32),
-        sampling=SamplingParams.create(batch, **options.sampling_values),
+        sampling=SamplingParams.create(batch, **options.sampling_rows(len(rows), batch)),
         key=jax.random.PRNGKey(options.seed),
         stop_token_ids=jnp.asarray(stop_ids),
     )

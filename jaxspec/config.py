@@ -15,7 +15,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from jaxspec.errors import UnsupportedModelError, is_integer
+from jaxspec.errors import CheckpointError, UnsupportedModelError, is_integer
 
 
 class Architecture(enum.Enum):
@@ -210,21 +210,36 @@ def check_token_ids(cfg: Any) -> None:
             raise UnsupportedModelError(f"{name}={token!r} is not a token id of the {cfg.vocab_size}-token vocabulary")
 
 
+# The range every real checkpoint's value falls in, for the config numbers a corrupt file would
+# otherwise load silently (an epsilon of 1e9 flattens every norm to zero): RMSNorm epsilons run
+# 1e-12 (BERT-era) to 1e-5, RoPE bases 1e2 (test models) to 1e8 (long-context Qwen and Llama 4 use
+# 5e5-1e7). A value outside is refused with the range.
+SANE_RANGES = {"norm_eps": (1e-12, 1e-2), "rope_theta": (1.0, 1e10)}
+
+
 def check_sizes_and_numerics(cfg: Any, sizes: tuple[str, ...]) -> None:
     """UnsupportedModelError unless every field in `sizes` is >= 1 and rope_theta and norm_eps are
-    finite and > 0: a zero dimension, a NaN theta or a non-positive epsilon would otherwise load
-    and compute garbage (a NaN theta makes every RoPE angle NaN, and generate returns zeros)."""
+    finite and in `SANE_RANGES`: a zero dimension, a NaN theta or an epsilon no model has would
+    otherwise load and compute garbage (a NaN theta makes every RoPE angle NaN, and generate
+    returns zeros)."""
     for name in sizes:
         value = getattr(cfg, name)
         if not is_integer(value):
             raise UnsupportedModelError(f"{name}={value!r} must be an integer")
         if value < 1:
             raise UnsupportedModelError(f"{name}={value} must be >= 1")
-    for name in ("rope_theta", "norm_eps"):
-        value = getattr(cfg, name)
-        if not (math.isfinite(value) and value > 0):
-            raise UnsupportedModelError(f"{name}={value} must be a finite number > 0")
+    for name in SANE_RANGES:
+        check_sane(name, getattr(cfg, name))
     check_token_ids(cfg)
+
+
+def check_sane(name: str, value: float) -> None:
+    """UnsupportedModelError unless `value` is finite and in SANE_RANGES[name]."""
+    low, high = SANE_RANGES[name]
+    if not (math.isfinite(value) and value > 0):
+        raise UnsupportedModelError(f"{name}={value} must be a finite number > 0")
+    if not low <= value <= high:
+        raise UnsupportedModelError(f"{name}={value} is outside [{low:g}, {high:g}], the range real models use")
 
 
 def flag(value: Any, name: str) -> bool:
@@ -333,6 +348,16 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise TypeError(f"eos_token_id must be a token id or a list of them; got {value!r:.40}")
     return tuple(count(v) for v in value)
+
+
+def gguf_vocab_size(tensor_shapes: Mapping[str, tuple[int, ...]], embed: str, dim: int, source: Any) -> int:
+    """The vocabulary a GGUF's params serve: the rows of its embedding `embed`, which must be
+    [rows, dim] (numpy order) before anything is sized by it."""
+    shape = tuple(tensor_shapes[embed])
+    if len(shape) != 2 or shape[1] != dim or shape[0] < 1:
+        raise CheckpointError(f"tensor {embed!r} in {source} has shape {shape}, expected (vocab_size, {dim}) "
+                              "from the config")
+    return shape[0]
 
 
 def gguf_eos_ids(meta: Mapping[str, Any]) -> list[int]:

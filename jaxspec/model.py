@@ -43,6 +43,26 @@ class Model:
         return backends.of_params(self.params)
 
 
+# The draft heads' configs, by class name, as a refusal names them (a head is not a trunk).
+DRAFT_HEAD_KINDS = {"Eagle3Config": "an EAGLE-3 draft head", "MtpConfig": "an MTP draft head",
+                    "AssistantConfig": "a shared-KV assistant draft"}
+
+
+def check_trunk(model: Model, use: str) -> None:
+    """Refuse, by name and before anything is traced, a draft head passed where a trunk goes (the
+    target of `generate`, the model `score` reads): it predicts only from a target's hidden states."""
+    from jaxspec import models
+
+    try:
+        models.family_of(model.config)
+    except TypeError:
+        name = type(model.config).__name__
+        kind = DRAFT_HEAD_KINDS.get(name, f"a model of config type {name}")
+        raise InvalidRequestError(
+            f"{use} needs a trunk model; got a draft head: this is {kind}, which predicts only from its target's "
+            "hidden states; pass it as draft_params beside its target") from None
+
+
 def shard(model: Model, mesh, rules=None) -> Model:
     """`model` with its params laid out over `mesh` (a `jax.sharding.Mesh`, e.g.
     `jaxspec.make_mesh(data=2, model=4)`) by logical-axis `rules` (jaxspec.sharding.DEFAULT_RULES:

@@ -203,6 +203,21 @@ class GenerateOptions:
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                     repetition_penalty=self.repetition_penalty)
 
+    def sampling_rows(self, rows: int, batch: int) -> dict:
+        """`sampling_values` for a batch of `batch` rows, the first `rows` of them prompts (a mesh
+        pads the rest): each value one number for every row, or a sequence of one per prompt,
+        refused by name when its length is another; padding rows repeat the last prompt's."""
+        values = {}
+        for name, value in self.sampling_values.items():
+            array = np.asarray(value)
+            if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != rows):
+                raise InvalidRequestError(
+                    f"{name} has {array.size} per-row values for {rows} prompt(s); give one number, or one per prompt")
+            if array.ndim == 1 and batch > rows:
+                array = np.concatenate([array, np.repeat(array[-1:], batch - rows)])
+            values[name] = array
+        return values
+
     @property
     def draft_options(self) -> DraftOptions:
         return DraftOptions(num_draft_tokens=int(self.num_draft_tokens), ngram_max=int(self.ngram_max),

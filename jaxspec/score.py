@@ -30,7 +30,7 @@ import numpy as np
 from jaxspec import compilation, models
 from jaxspec.api import prompt_ids
 from jaxspec.errors import InvalidRequestError, is_integer
-from jaxspec.model import Model
+from jaxspec.model import Model, check_trunk
 
 __all__ = ["ScoreResult", "score", "score_chunk"]
 
@@ -121,12 +121,7 @@ def score(model: Model, texts_or_ids, *, add_bos: bool | None = None, chunk_toke
     """
     if not isinstance(model, Model):
         raise InvalidRequestError(f"model must be a jaxspec Model (from jaxspec.load); got {type(model).__name__}")
-    try:
-        models.family_of(model.config)
-    except TypeError:
-        raise InvalidRequestError(
-            f"score needs a trunk model; got a draft head ({type(model.config).__name__}), which predicts "
-            "only from its target's hidden states") from None
+    check_trunk(model, "score")
     if not is_integer(chunk_tokens) or chunk_tokens < 1:
         raise InvalidRequestError(f"chunk_tokens must be an integer >= 1; got {chunk_tokens!r}")
     rows = _rows(model, texts_or_ids, add_bos)

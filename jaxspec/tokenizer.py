@@ -69,6 +69,8 @@ def _read_json(path: str) -> dict[str, Any]:
             value = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
+    except RecursionError:  # json recurses per nesting level
+        raise CheckpointError(f"cannot read {path}: its JSON is nested too deeply") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object")
     try:  # JSON's \ud800 escapes parse to lone surrogates, which no tokenizer can look up
@@ -170,8 +172,18 @@ class Tokenizer:
         names `origin` (the checkpoint's file or directory) when its message does not already."""
         try:
             if isinstance(source, Mapping):
-                return cls.from_gguf_metadata(source) if "tokenizer.ggml.model" in source else None
-            if not any(os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES):
+                if "tokenizer.ggml.model" in source:
+                    return cls.from_gguf_metadata(source)
+                # A vocabulary without its model is half a tokenizer: a corrupt file, not a model
+                # without one (special ids alone are the config's, and name no tokenizer).
+                carried = [f"tokenizer.ggml.{key}" for key in ("tokens", "merges", "scores", "token_type", "pre")
+                           if f"tokenizer.ggml.{key}" in source]
+                if carried:
+                    raise CheckpointError(f"the GGUF carries tokenizer metadata ({', '.join(carried[:3])}"
+                                          f"{', ...' if len(carried) > 3 else ''}) but no tokenizer.ggml.model")
+                return None
+            # A tokenizer file that exists but is no file (a directory, a dangling link) is corrupt.
+            if not any(os.path.lexists(os.path.join(source, name)) for name in TOKENIZER_FILES):
                 return None
             return cls.from_dir(source)
         except JaxspecError as e:
@@ -327,13 +339,13 @@ class Tokenizer:
         tokenizer_json = os.path.join(path, "tokenizer.json")
         sentencepiece_model = os.path.join(path, "tokenizer.model")
         model_ids = spm.SpecialIds(bos=None, eos=None, pad=None, unk=None)
-        if os.path.isfile(tokenizer_json):
+        if os.path.lexists(tokenizer_json):  # a directory or a dangling link fails to load, by name
             hf = _rust_call(f"cannot load {tokenizer_json}", lambda: tokenizers.Tokenizer.from_file(tokenizer_json))
             # A file that parses can still fail on first use (a merge of tokens the vocabulary
             # lacks panics in the BPE model): try it now, so the failure names the file at load.
             _rust_call(f"{tokenizer_json} cannot encode text",
                        lambda: hf.encode("Hello, world! 123", add_special_tokens=True))
-        elif os.path.isfile(sentencepiece_model):
+        elif os.path.lexists(sentencepiece_model):
             hf, model_ids = spm.tokenizer_from_model_file(sentencepiece_model)
         else:
             raise CheckpointError(f"{path} has no tokenizer.json or tokenizer.model")
@@ -361,8 +373,9 @@ class Tokenizer:
         bos_id, eos_id = special_id("bos"), special_id("eos")
         if bos_id is None and generation.get("bos_token_id") is not None:
             bos_id = generation["bos_token_id"]
-        generation_eos = generation.get("eos_token_id", [])
-        generation_eos = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
+        generation_eos = generation.get("eos_token_id")  # null: none given (the config's or tokenizer's serve)
+        generation_eos = ([] if generation_eos is None else [generation_eos] if isinstance(generation_eos, int)
+                          else list(generation_eos))
         if eos_id is None and generation_eos:
             eos_id = generation_eos[0]
 

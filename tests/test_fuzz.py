@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -40,6 +41,7 @@ import jaxspec
 from jaxspec import checkpoints, cli
 from jaxspec.api import Model, prepare
 from jaxspec.checkpoints.resolve import KNOWN_NAMES
+from jaxspec.config import SANE_RANGES
 from jaxspec.errors import JaxspecError
 from jaxspec.models import eagle3
 from jaxspec.spec import loop
@@ -131,7 +133,7 @@ def tiny_state_dict(config: dict = CONFIG, seed: int = 0) -> dict[str, np.ndarra
 
 def write_hf_dir(directory: pathlib.Path, config, state: dict[str, np.ndarray], *, shards: int = 1) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "config.json").write_text(to_json(config))
     if shards == 1:
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
         return
@@ -157,10 +159,10 @@ def assert_sane_config(cfg) -> None:
         value = getattr(cfg, field)
         assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (field, value)
     assert cfg.num_heads % cfg.num_kv_heads == 0
-    for field in ("rope_theta", "norm_eps"):
+    for field, (low, high) in SANE_RANGES.items():
         value = getattr(cfg, field)
         assert isinstance(value, int | float) and not isinstance(value, bool), (field, value)
-        assert math.isfinite(value) and value > 0, (field, value)
+        assert math.isfinite(value) and low <= value <= high, (field, value)
     assert all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t for t in cfg.eos_token_ids)
 
 
@@ -194,7 +196,7 @@ _EDGE_INTS = st.sampled_from([0, 1, 2, 3, -1, 7, 8, 16, 31, 32, 64, 127, 128, 12
                               -(2**63)])
 JSON_SCALARS = st.one_of(
     _EDGE_INTS, st.integers(), st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0.5, 2.5, 32.0, 1e-30, -1e-5, 1e308]), st.booleans(), st.none(),
+    st.sampled_from([0.5, 2.5, 32.0, 1e-30, -1e-5, 1e308, 1e9, 1e300, 1e-20, 0.5e-2, 1e11]), st.booleans(), st.none(),
     st.text(max_size=8), st.sampled_from(["32", "abc", "false", "true", "", "llama", "qwen2", "qwen3", "NaN"]))
 JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                                   st.dictionaries(st.text(max_size=6), inner,
@@ -205,10 +207,44 @@ CONFIG_KEYS = st.sampled_from(sorted(CONFIG) + [
     "pad_token_id", "original_max_position_embeddings"])
 
 
+@dataclasses.dataclass(frozen=True)
+class Nested:
+    """A JSON value `depth` lists deep (json recurses once per level, in reading and in writing:
+    `to_json` writes it as text)."""
+
+    depth: int
+
+    def text(self) -> str:
+        return "[" * self.depth + "1" + "]" * self.depth
+
+
+def nested(depth: int) -> Nested:
+    return Nested(depth)
+
+
+def to_json(value) -> str:
+    """json.dumps, with each `Nested` written out as its text."""
+    deep = {}
+
+    def placeholder(item):
+        if not isinstance(item, Nested):
+            raise TypeError(type(item).__name__)
+        deep[f'"nested-{id(item)}"'] = item.text()
+        return f"nested-{id(item)}"
+
+    text = json.dumps(value, default=placeholder)
+    for key, replacement in deep.items():
+        text = text.replace(key, replacement)
+    return text
+
+
+DEEP = st.integers(900, 5000).map(nested)
+
+
 @st.composite
 def mutated_configs(draw):
     if draw(st.integers(0, 19)) == 0:  # not an object at all
-        return draw(st.one_of(JSON_SCALARS, st.lists(JSON_SCALARS, max_size=3)))
+        return draw(st.one_of(JSON_SCALARS, st.lists(JSON_SCALARS, max_size=3), DEEP))
     config = dict(CONFIG)
     for _ in range(draw(st.integers(1, 3))):
         key = draw(CONFIG_KEYS)
@@ -249,6 +285,11 @@ def test_config_values(tmp_path_factory, ground_truth, config):
     (dict(tie_word_embeddings=True), "the file contradicts its config"),  # an untied file's head would be dropped
     (dict(rope_scaling=1), "wrong type or range"),
     (dict(model_type=None), "model_type None is not supported"),
+    (dict(rms_norm_eps=1e9), "norm_eps=1000000000.0 is outside [1e-12, 0.01]"),
+    (dict(rms_norm_eps=1e300), "norm_eps=1e+300 is outside"),
+    (dict(rope_theta=1e300), "rope_theta=1e+300 is outside [1, 1e+10]"),
+    (dict(rope_theta=0.5), "rope_theta=0.5 is outside"),
+    (dict(vocab_size=nested(3000)), "nested too deeply"),
 ])
 def test_issue_config_examples_are_named(tmp_path, ground_truth, change, needle):
     """The config examples issue 19 lists, each a JaxspecError naming config.json and the problem."""
@@ -256,6 +297,14 @@ def test_issue_config_examples_are_named(tmp_path, ground_truth, change, needle)
     with pytest.raises(JaxspecError, match=re.escape(needle)) as error:
         jaxspec.load(str(tmp_path), use_cache=False)
     assert str(tmp_path / "config.json") in str(error.value)
+
+
+@pytest.mark.parametrize("eps, theta", [(1e-12, 1.0), (1e-6, 1e4), (1e-5, 5e5), (1e-6, 1e6), (1e-2, 1e8)])
+def test_every_real_models_numbers_load(tmp_path, ground_truth, eps, theta):
+    """The edges of SANE_RANGES and the values real checkpoints use (Llama 3's 5e5, Qwen's 1e6) load."""
+    write_hf_dir(tmp_path, {**CONFIG, "rms_norm_eps": eps, "rope_theta": theta}, ground_truth)
+    model = jaxspec.load(str(tmp_path), use_cache=False)
+    assert (model.config.norm_eps, model.config.rope_theta) == (eps, theta)
 
 
 def test_a_config_that_is_not_an_object_is_named(tmp_path, ground_truth):
@@ -521,6 +570,76 @@ def test_gguf_headers(tmp_path_factory, gguf_source):
     case()
 
 
+# GGUF tensor shapes against the config: a tensor's dims and the head counts that reshape it
+# (llama.cpp's Q/K row order is undone by reshaping with the config's head counts).
+GGUF_TENSORS = st.sampled_from(["token_embd.weight", "output_norm.weight", "output.weight", "blk.0.attn_q.weight",
+                                "blk.0.attn_k.weight", "blk.1.attn_v.weight", "blk.1.attn_output.weight",
+                                "blk.0.ffn_gate.weight", "blk.1.ffn_down.weight", "blk.0.attn_norm.weight"])
+SHAPE_EDITS = st.sampled_from(["append a unit dim", "prepend a unit dim", "drop the last dim", "double the first dim",
+                               "halve the first dim"])
+HEAD_COUNT_KV = st.one_of(st.just("missing"), st.integers(0, 9), st.lists(st.integers(1, 4), min_size=1, max_size=3))
+
+
+def _reshaped(array: np.ndarray, edit: str) -> np.ndarray:
+    if edit == "append a unit dim":
+        return array[..., None]
+    if edit == "prepend a unit dim":
+        return array[None]
+    if edit == "drop the last dim":
+        return array[..., 0]
+    if edit == "double the first dim":
+        return np.concatenate([array, array])
+    return array[: max(1, array.shape[0] // 2)]
+
+
+@fuzz(60)
+@given(change=st.one_of(st.tuples(st.just("tensor"), GGUF_TENSORS, SHAPE_EDITS),
+                        st.tuples(st.just("head_count_kv"), HEAD_COUNT_KV)))
+def test_gguf_tensor_shapes_and_head_counts(tmp_path_factory, ground_truth, gguf_source, change):
+    """A tensor whose shape the config does not imply, and a head_count_kv that is missing (then
+    equal to head_count, as in llama.cpp), per-layer, or disagrees with the k/v tensors: refused
+    naming the tensor or the key before any reshape, or loaded exactly when the value is right."""
+    _, model, _, _ = gguf_source
+    path = tmp_path_factory.mktemp("gguf-shape") / "shaped.gguf"
+    hf_names = {gguf: hf for hf, (gguf, _) in fx._GGUF_TOP.items()}
+    hf_names |= {f"blk.{i}.{gguf}": f"model.layers.{i}.{hf}" for i in range(2) for hf, (gguf, _) in
+                 fx._GGUF_LAYER.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fx, "TOKENS", _TOKENS)
+        mp.setattr(fx, "MERGES", ["t o", "to k"])
+        if change[0] == "tensor":
+            _, name, edit = change
+            weight = ground_truth[hf_names[name]]
+            if name.endswith(("attn_q.weight", "attn_k.weight")):
+                weight = fx.llama_cpp_permute(weight, CONFIG["num_attention_heads"] if "attn_q" in name
+                                              else CONFIG["num_key_value_heads"])
+            fx.write_gguf(path, ground_truth, CONFIG, skip=(name,),
+                          extra_tensors={name: (_reshaped(weight, edit), fx.QT.F32)})
+        else:
+            value = change[1]
+            if value == "missing":
+                mp.setattr(gguf.GGUFWriter, "add_head_count_kv", lambda self, count: None)
+            else:
+                mp.setattr(gguf.GGUFWriter, "add_head_count_kv",
+                           lambda self, count: self.add_array(f"{self.arch}.attention.head_count_kv", value)
+                           if isinstance(value, list) else self.add_uint32(f"{self.arch}.attention.head_count_kv",
+                                                                            value))
+            fx.write_gguf(path, ground_truth, CONFIG)
+    if change[0] == "tensor":  # refused, naming the tensor (or, where the embedding's rows size the
+        # vocabulary, the output head that then disagrees with it)
+        named = [change[1]] + (["output.weight"] if change[1] == "token_embd.weight" else [])
+        with _alarm(), pytest.raises(JaxspecError, match="|".join(re.escape(repr(name)) for name in named)):
+            jaxspec.load(str(path), use_cache=False)
+        OUTCOMES["GGUF shapes", "refused"] += 1
+        return
+    loaded = outcome("GGUF shapes", lambda: jaxspec.load(str(path), use_cache=False), path)
+    if loaded is not None:  # the right count, however written: the file's own weights
+        assert_sane_config(loaded.config)
+        assert loaded.config.num_kv_heads == CONFIG["num_key_value_heads"]
+        for got, want in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(model.params), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.fixture(scope="module")
 def converted_source(tmp_path_factory, gguf_source):
     """The tiny GGUF converted to a jaxspec directory, and what it loads as."""
@@ -588,8 +707,13 @@ def tokenizer_source(tmp_path_factory) -> pathlib.Path:
 def tokenizer_edits(draw):
     file_name = draw(st.sampled_from(["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                                       "generation_config.json"]))
-    kind = draw(st.sampled_from(["bytes", "truncate", "value", "binary"]))
+    kind = draw(st.sampled_from(["bytes", "truncate", "value", "binary", "null", "deep"]))
     return file_name, kind, draw(st.data())
+
+
+# The fields the tokenizer side files name (a null one means "none given"; a deep one is refused).
+SIDE_FILE_KEYS = st.sampled_from(["eos_token_id", "bos_token_id", "pad_token_id", "eos_token", "bos_token",
+                                  "chat_template", "add_bos_token", "model_max_length"])
 
 
 def _json_paths(value, prefix=()):
@@ -600,6 +724,19 @@ def _json_paths(value, prefix=()):
     elif isinstance(value, list):
         for i, item in enumerate(value[:12]):
             yield from _json_paths(item, (*prefix, i))
+
+
+def test_null_and_deep_side_files(tmp_path, tokenizer_source):
+    """generation_config.json's "eos_token_id": null means none given (the tokenizer's EOS stays);
+    a side file nested thousands deep is refused naming it, not a RecursionError."""
+    for file in tokenizer_source.iterdir():
+        shutil.copy(file, tmp_path / file.name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None, "bos_token_id": None}))
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    assert tokenizer.eos_token_ids == (1,)  # "</s>", from tokenizer_config.json
+    (tmp_path / "generation_config.json").write_text(to_json({"eos_token_id": nested(5000)}))
+    with pytest.raises(JaxspecError, match="generation_config.json.*nested too deeply"):
+        Tokenizer.from_dir(tmp_path)
 
 
 @fuzz(120)
@@ -620,6 +757,13 @@ def test_tokenizer_files(tmp_path_factory, tokenizer_source, edit):
         data = data[: draw.draw(st.integers(0, len(data) - 1))]
     elif kind == "binary":
         data = draw.draw(st.binary(min_size=1, max_size=64))
+    elif kind in ("null", "deep") and file_name != "tokenizer.json":
+        document = json.loads(data)
+        document = document if isinstance(document, dict) else {}
+        document[draw.draw(SIDE_FILE_KEYS)] = None if kind == "null" else draw.draw(DEEP)
+        data = to_json(document).encode("utf-8")
+    elif kind == "deep":  # tokenizer.json nested deep: the tokenizers library's to refuse
+        data = nested(draw.draw(st.integers(900, 3000))).text().encode("utf-8")
     else:  # one JSON value anywhere in the file replaced
         document = json.loads(data)
         path = draw.draw(st.sampled_from(list(_json_paths(document))))
@@ -697,6 +841,52 @@ def test_generate_arguments(request_models, prompt, options, draft):
         args = (model.params, prepared.speculation.draft_inputs(model))
         state = jax.eval_shape(lambda: loop.prefill_jit(*args, prepared.request, spec=prepared.spec))
         jax.eval_shape(lambda: loop.decode_jit(*args, state, prepared.request, spec=prepared.spec))
+
+
+SAMPLING_VALUES = {"temperature": 0.7, "top_k": 3, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1}
+
+
+@fuzz(40)
+@given(name=st.sampled_from(sorted(SAMPLING_VALUES)), rows=st.integers(1, 3), length=st.integers(0, 4),
+       nested_list=st.booleans())
+def test_per_row_sampling_lists(request_models, name, rows, length, nested_list):
+    """A per-row sampling option holds one value per prompt, or is refused before anything is
+    traced, naming the option, the count given and the prompts."""
+    model, _ = request_models
+    values = [SAMPLING_VALUES[name]] * length
+    value = [values] if nested_list else values
+    prompts = [[3, 4, 5]] * rows
+    if length == rows and not nested_list:
+        prepared = prepare(model, prompts, None, **{name: value})
+        args = (model.params, prepared.speculation.draft_inputs(model))
+        jax.eval_shape(lambda: loop.prefill_jit(*args, prepared.request, spec=prepared.spec))
+        return
+    with pytest.raises(JaxspecError, match=rf"{name} has {length} per-row values for {rows} prompt"):
+        prepare(model, prompts, None, **{name: value})
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "assistant"])
+@pytest.mark.parametrize("call", ["generate", "stream", "score"])
+def test_a_draft_head_passed_as_the_target_is_refused_by_name(tiny_model, kind, call):
+    from conftest import random_drafts
+
+    if kind == "assistant":
+        from conftest import GEMMA_CONFIGS
+        from jaxspec.models import assistant
+
+        target = GEMMA_CONFIGS["gemma4-shared-per-layer"]
+        text = dataclasses.replace(target, num_layers=2, layer_types=target.layer_types[:2], per_layer_dim=0,
+                                   per_layer_vocab=0, num_kv_shared_layers=0, final_logit_softcap=None)
+        config = assistant.AssistantConfig(text=text, backbone_dim=target.dim)
+        head = Model(config=config, params=assistant.init_params(config, jax.random.PRNGKey(0)))
+    else:
+        head = random_drafts(kind)["draft_params"]
+    name = {"eagle3": "an EAGLE-3 draft head", "mtp": "an MTP draft head", "assistant": "a shared-KV assistant draft"}
+    run = {"generate": lambda: jaxspec.generate(head, None, [[3, 4]], max_new_tokens=2),
+           "stream": lambda: list(jaxspec.stream(head, [3, 4], max_new_tokens=2)),
+           "score": lambda: jaxspec.score(head, [[3, 4, 5]])}[call]
+    with pytest.raises(JaxspecError, match=f"this is {name[kind]}.*pass it as draft_params beside its target"):
+        run()
 
 
 NAMES = st.one_of(

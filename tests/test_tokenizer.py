@@ -491,3 +491,15 @@ def test_parity_strings_cover_the_brief():
     joined = "".join(PARITY_STRINGS)
     assert re.search(r"[\u4e00-\u9fff]", joined) and "😀" in joined and "é" in joined
     assert "" in PARITY_STRINGS and "<|im_start|>" in joined and "\t" in joined
+
+
+def test_a_half_carried_or_unreadable_tokenizer_is_refused(tmp_path):
+    """A GGUF whose vocabulary is there but whose tokenizer.ggml.model was deleted, and a
+    tokenizer.json that is a directory: corrupt checkpoints, refused by name (not loaded as if
+    they carried no tokenizer)."""
+    half = {key: value for key, value in _tiny_metadata().items() if key != "tokenizer.ggml.model"}
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.tokens.* but no tokenizer.ggml.model"):
+        Tokenizer.from_checkpoint_source(half, origin="model.gguf")
+    (tmp_path / "tokenizer.json").mkdir()
+    with pytest.raises(CheckpointError, match="cannot load .*tokenizer.json"):
+        Tokenizer.from_checkpoint_source(tmp_path)

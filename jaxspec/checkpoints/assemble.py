@@ -61,7 +61,13 @@ def assemble_params(
     def read_leaf(shape: tuple[int, ...], tensor: TensorSource) -> np.ndarray:
         if tensor.name not in available:
             raise CheckpointError(f"{source} {path} lacks tensor {tensor.name!r}{tensor.note}")
-        array = tensor.apply(read(tensor.name))
+        stored = read(tensor.name)
+        try:
+            array = tensor.apply(stored)
+        except ValueError:  # a transform's reshape by the config's head counts (GGUF's Q/K row order)
+            raise CheckpointError(
+                f"tensor {tensor.name!r} in {path} has shape {tuple(stored.shape)}, expected {shape} from the "
+                "config") from None
         if tuple(array.shape) != shape:
             raise CheckpointError(
                 f"tensor {tensor.name!r} in {path} has shape {tuple(array.shape)}, expected {shape} from the config")

@@ -47,6 +47,8 @@ def read_json(path: pathlib.Path) -> Any:
         raise CheckpointError(f"{path.parent} lacks {path.name}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    except RecursionError:  # json recurses per nesting level
+        raise CheckpointError(f"{path} is not usable JSON: it is nested too deeply") from None
 
 
 def open_safetensors(path: pathlib.Path):

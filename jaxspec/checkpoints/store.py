@@ -151,7 +151,7 @@ def _stored_leaf_count(path: pathlib.Path) -> int | None:
         tree = json.loads((path / "_METADATA").read_text(encoding="utf-8"))["tree_metadata"]
         return sum(1 for leaf in tree.values() if not leaf["value_metadata"].get("skip_deserialize", False)
                    and leaf["value_metadata"].get("value_type") != "None")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
 
 

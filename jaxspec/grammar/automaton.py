@@ -240,6 +240,8 @@ def _request(regex, json_schema, choices) -> tuple[str, str, str]:
                 schema = json.loads(json_schema)
             except json.JSONDecodeError as e:
                 raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise GrammarError("json_schema is nested too deeply") from None
         elif isinstance(json_schema, Mapping):
             schema = json_schema
         else:

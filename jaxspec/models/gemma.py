@@ -45,8 +45,8 @@ import numpy as np
 from flax import struct
 
 from jaxspec.cache import KVCache, write_kv
-from jaxspec.config import (RopeScaling, _rope_settings, check_sizes_and_numerics, count, eos_ids, flag, gguf_eos_ids, real,
-                            from_json_dict, rope_scaling_from_dict, to_json_dict)
+from jaxspec.config import (RopeScaling, _rope_settings, check_sane, check_sizes_and_numerics, count, eos_ids, flag,
+                            gguf_eos_ids, gguf_vocab_size, real, from_json_dict, rope_scaling_from_dict, to_json_dict)
 from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models.family import Family, TensorSource
 from jaxspec.models.layers import (AttentionParams, MlpParams, apply_rope, attention_path, gelu_tanh, logits_head,
@@ -85,8 +85,7 @@ class GemmaAttention:
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise UnsupportedModelError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim={self.head_dim}")
-        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
-            raise UnsupportedModelError(f"rope_theta={self.rope_theta} must be a finite number > 0")
+        check_sane("rope_theta", self.rope_theta)
         if self.window is not None and self.window < 1:
             raise UnsupportedModelError(f"sliding_window={self.window} must be >= 1")
 
@@ -701,7 +700,7 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
     common = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=head_dim)
     return GemmaConfig(
         generation=3,
-        vocab_size=tensor_shapes[_GGUF_TOP["embed"]][0],
+        vocab_size=gguf_vocab_size(tensor_shapes, _GGUF_TOP["embed"], dim, source),
         dim=dim,
         num_layers=num_layers,
         layer_types=kinds,

@@ -42,6 +42,7 @@ from jaxspec.config import (
     config_to_dict,
     count,
     gguf_eos_ids,
+    gguf_vocab_size,
     real,
     resolve_rotary_dim,
 )
@@ -320,7 +321,7 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
     return ModelConfig(
         architecture=architecture,
         # The embedding's rows are the vocabulary the params serve (the token list may be shorter).
-        vocab_size=tensor_shapes[GGUF_NAMES["embed"]][0],
+        vocab_size=gguf_vocab_size(tensor_shapes, GGUF_NAMES["embed"], dim, source),
         dim=dim,
         num_layers=count(get("block_count")),
         num_heads=num_heads,
