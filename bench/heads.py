@@ -41,7 +41,6 @@ import argparse
 import datetime
 import json
 import pathlib
-import platform
 import statistics
 import sys
 
@@ -49,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from results_md import add_output_options, command_line, publish  # bench/ is on sys.path when a bench script runs
+from results_md import add_output_options, command_line, cpu_description, publish  # bench/ is on sys.path when a bench script runs
 from spec import DEFAULT_QUESTIONS, GROUPS, TIMING_STOP_TOKEN, pick_prompts
 
 import jaxspec
@@ -249,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
     title = section_title(args.weight_format, args.timing_group)
     lines = [title, "",
-             f"{datetime.date.today()}, {platform.machine()}, jax {jax.__version__}, SmolLM2-135M-Instruct ({args.weight_format} weights), {args.prompts} prompts per group (first turns), "
+             f"{datetime.date.today()}, {cpu_description()}, jax {jax.__version__}, SmolLM2-135M-Instruct ({args.weight_format} weights), {args.prompts} prompts per group (first turns), "
              f"{NEW_TOKENS} greedy tokens, batch = the group's prompts; " + (
                  "every output equal to plain greedy." if not divergences else
                  "every chain's output equal to plain greedy; trees under these weights are exact only up to "

@@ -56,7 +56,6 @@ import functools
 import json
 import math
 import pathlib
-import platform
 import shlex
 import statistics
 import sys
@@ -67,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from forward_cost import forward_costs, heap_tree, timed  # bench/ is on sys.path when a bench script runs
-from results_md import add_output_options, peer_versions, replace_section
+from results_md import add_output_options, cpu_description, peer_versions, replace_section
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loading bars in the log
 HERE = pathlib.Path(__file__).resolve().parent
@@ -372,7 +371,7 @@ def build_report(args, picked, methods, hf_methods, records, summaries, costs, s
              f"Target weights: {args.weight_format} (the heads follow).\n"]
     total_prompts = sum(len(v) for v in picked.values())
     lines.append(
-        f"{datetime.date.today().isoformat()}; {platform.processor() or platform.machine()}, 2 cores, shared "
+        f"{datetime.date.today().isoformat()}; {cpu_description()}, {os.cpu_count()} cores, shared "
         f"with other work (timings noisy: methods run back to back per prompt, figures are medians over "
         f"prompts, speedups are per-prompt ratios to plain on the same prompt); jax {jax.__version__}, "
         f"{peer_versions()}. {settings.title} dequantized to float32, batch 1, "

@@ -592,7 +592,7 @@ def _reshaped(array: np.ndarray, edit: str) -> np.ndarray:
     return array[: max(1, array.shape[0] // 2)]
 
 
-@fuzz(60)
+@fuzz(30)
 @given(change=st.one_of(st.tuples(st.just("tensor"), GGUF_TENSORS, SHAPE_EDITS),
                         st.tuples(st.just("head_count_kv"), HEAD_COUNT_KV)))
 def test_gguf_tensor_shapes_and_head_counts(tmp_path_factory, ground_truth, gguf_source, change):
@@ -846,7 +846,7 @@ def test_generate_arguments(request_models, prompt, options, draft):
 SAMPLING_VALUES = {"temperature": 0.7, "top_k": 3, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1}
 
 
-@fuzz(40)
+@fuzz(15)
 @given(name=st.sampled_from(sorted(SAMPLING_VALUES)), rows=st.integers(1, 3), length=st.integers(0, 4),
        nested_list=st.booleans())
 def test_per_row_sampling_lists(request_models, name, rows, length, nested_list):
