@@ -210,7 +210,10 @@ class GenerateOptions:
         values = {}
         for name, value in self.sampling_values.items():
             array = np.asarray(value)
-            if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != rows):
+            if array.ndim > 1:
+                raise InvalidRequestError(f"{name} must be one number, or a flat sequence of one per prompt; "
+                                          f"got a sequence {array.ndim} deep")
+            if array.ndim == 1 and array.shape[0] != rows:
                 raise InvalidRequestError(
                     f"{name} has {array.size} per-row values for {rows} prompt(s); give one number, or one per prompt")
             if array.ndim == 1 and batch > rows:

@@ -861,7 +861,9 @@ def test_per_row_sampling_lists(request_models, name, rows, length, nested_list)
         args = (model.params, prepared.speculation.draft_inputs(model))
         jax.eval_shape(lambda: loop.prefill_jit(*args, prepared.request, spec=prepared.spec))
         return
-    with pytest.raises(JaxspecError, match=rf"{name} has {length} per-row values for {rows} prompt"):
+    needle = (rf"{name} must be one number, or a flat sequence" if nested_list
+              else rf"{name} has {length} per-row values for {rows} prompt")
+    with pytest.raises(JaxspecError, match=needle):
         prepare(model, prompts, None, **{name: value})
 
 
