@@ -74,7 +74,9 @@ def load(name_or_path: str = DEFAULT_MODEL, *, weight_format: WeightFormat | str
     if head is not None:
         return head
     ckpt = checkpoints.load_checkpoint(path, use_cache=use_cache, progress=progress, weight_format=weight_format)
-    tokenizer = Tokenizer.from_checkpoint_source(ckpt.tokenizer_source, origin=ckpt.source)  # None: ids only
+    tokenizer = ckpt.tokenizer  # a GGUF's, built from its header; None: from the source, or ids only
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_checkpoint_source(ckpt.tokenizer_source, origin=ckpt.source)
     params = fuse_projections(ckpt.params)
     params = backends.apply(params, backends.resolve(products, quant.format_of(params)))
     return Model(config=ckpt.config, params=params, tokenizer=tokenizer, source=str(ckpt.source),

@@ -329,3 +329,20 @@ def test_info_default_model(capsys):
     assert (info["format"], info["architecture"], info["num_layers"]) == ("gguf", "llama", 30)
     assert info["source"] == str(checkpoints.default_model_path())
     assert "Q4_1" in info["tensor_types"]
+
+
+@pytest.mark.parametrize("command", ["generate", "score"])
+def test_a_corrupt_gguf_tokenizer_is_one_line_and_exit_2(tiny, tiny_cache, capsys, command):
+    """Merges naming tokens outside the vocabulary: refused from the GGUF's header, before any
+    tensor loads (so no loading bar precedes the error), one line, exit status 2, no cache entry."""
+    bad = tiny["root"] / f"bad-merges-{command}.gguf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fx, "TOKENS", TINY_TOKENS)
+        mp.setattr(fx, "MERGES", ["t o", "zz yy"])
+        hf_dir = tiny["root"] / f"hf-{command}"
+        hf_dir.mkdir()
+        fx.write_gguf(bad, fx.make_hf_checkpoint(hf_dir), fx.hf_config(hf_dir))
+    argv = ["generate", "tok1", "--model", str(bad)] if command == "generate" else ["score", "tok1", "--model", str(bad)]
+    code, out, err = run(capsys, *argv)
+    assert_one_line_error(code, out, err, str(bad), "does not make a BPE tokenizer", "`zz` out of vocabulary")
+    assert not list(tiny_cache.glob(f"params/{checkpoints.file_sha256(bad)}-*"))

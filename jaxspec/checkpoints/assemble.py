@@ -36,6 +36,7 @@ class Checkpoint:
     # `tokenizer.*` metadata keys verbatim ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", ...).
     tokenizer_source: pathlib.Path | dict[str, Any]
     source: pathlib.Path
+    tokenizer: Any = None  # the Tokenizer, where the loader built it already (a GGUF's, from its header)
 
 
 def assemble_params(

@@ -237,6 +237,11 @@ def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = Fa
             gf = gguf_reader.read_gguf(path)
             family = gguf_reader.gguf_family(gf)
             cfg = gguf_reader.config_from_gguf(gf)
+            # Built from the header before any tensor is read: a corrupt tokenizer fails the load
+            # at once (no cache entry, no progress bar before the error), and the Model reuses it.
+            from jaxspec.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_checkpoint_source(gguf_reader.gguf_tokenizer_metadata(gf), origin=path)
         except BaseException:
             cancel.set()
             raise
@@ -254,11 +259,6 @@ def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = Fa
             host_params = gguf_reader.params_from_gguf(gf, cfg, progress=progress)
         host_params = quant.convert(host_params, weight_format)
         if entry is not None:
-            # An entry is written only for a file that loads whole: a tokenizer that fails after
-            # the params were dequantized would otherwise leave an entry no load can use.
-            from jaxspec.tokenizer import Tokenizer
-
-            Tokenizer.from_checkpoint_source(gguf_reader.gguf_tokenizer_metadata(gf), origin=path)
             try:
                 _sweep_stale_tmp(entry.parent)
                 write_atomically(entry, functools.partial(save_params, host_params))
@@ -266,7 +266,7 @@ def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = Fa
                 logger.warning("could not write cache entry %s: %s", entry, err)
         params = to_jax(host_params)
     return Checkpoint(config=cfg, params=params, tokenizer_source=gguf_reader.gguf_tokenizer_metadata(gf),
-                      source=path)
+                      source=path, tokenizer=tokenizer)
 
 
 def _read_meta(directory: pathlib.Path) -> dict[str, Any]:
