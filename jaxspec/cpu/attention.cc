@@ -67,9 +67,9 @@ __attribute__((target("avx512f"))) __m512 exp_avx512(__m512 x) {
   return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(bits));
 }
 
-// One query against the `count` slots it sees (`slots`, ascending): out[H] = softmax(q . K) V.
-// `scores` is scratch for `count` floats. Every loop runs in slot order, vectorized across H (the
-// dot's lanes then summed in one fixed order) or across consecutive entries of `scores`.
+// The scalar path (and any head width the vector paths' lanes do not divide): one query against
+// the `count` slots it sees (`slots`, ascending), out[H] = softmax(q . K) V, every loop in slot
+// order. `scores` is scratch for `count` floats.
 void query_scalar(const float* q, const float* keys, const float* values, const int32_t* slots, int64_t count,
                   int64_t head_dim, float* scores, float* out) {
   float top = -INFINITY;
