@@ -347,11 +347,11 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
                 f"context of {context} tokens")
     stop_token_ids, stop_sequences = _stop_ids_and_sequences(model, options)
     grammars = _grammars(model, options, len(rows))  # compiled on the host, before anything is traced
-    options.sampling_rows(len(rows), len(rows))  # a per-row list of another length: refused now, by name
 
     # On a mesh the batch is padded to whole "data" shards with one-token rows that end at once.
     data_rows = 1 if plan is None else plan.data_size
     batch = -(-len(rows) // data_rows) * data_rows
+    sampling = options.sampling_rows(len(rows), batch)  # a per-row list of another length: refused by name
     stop_ids = np.full((_bucket(len(stop_token_ids), MIN_STOP_IDS_BUCKET),), -1, np.int32)  # -1 never matches
     stop_ids[: len(stop_token_ids)] = stop_token_ids
     prompt_bucket = _bucket(longest, MIN_PROMPT_BUCKET)
@@ -371,7 +371,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
         prompt=jnp.asarray(padded),
         prompt_length=jnp.asarray([len(r) for r in rows] + [1] * filler_rows, jnp.int32),
         max_new_tokens=jnp.asarray([max_new_tokens] * len(rows) + [1] * filler_rows, jnp.int32),
-        sampling=SamplingParams.create(batch, **options.sampling_rows(len(rows), batch)),
+        sampling=SamplingParams.create(batch, **sampling),
         key=jax.random.PRNGKey(options.seed),
         stop_token_ids=jnp.asarray(stop_ids),
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from jaxspec import models
 from jaxspec.errors import InvalidRequestError, is_integer
 from jaxspec.models import backends, layers, quant
 from jaxspec.models.backends import Backend, Products
@@ -51,8 +52,6 @@ DRAFT_HEAD_KINDS = {"Eagle3Config": "an EAGLE-3 draft head", "MtpConfig": "an MT
 def check_trunk(model: Model, use: str) -> None:
     """Refuse, by name and before anything is traced, a draft head passed where a trunk goes (the
     target of `generate`, the model `score` reads): it predicts only from a target's hidden states."""
-    from jaxspec import models
-
     try:
         models.family_of(model.config)
     except TypeError:
