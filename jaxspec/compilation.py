@@ -19,10 +19,11 @@ such event arrives it prints a one-line `compiling ...` notice on stderr, which
 
 Numerics: on a GPU every engine program (`full_precision_products`) traces with float32
 products at full float32 precision. There XLA's default float32 product is TF32 (a 10-bit
-mantissa), which rounds a T = 1 step and a T = k + 1 verify differently: on an H200 speculative
-greedy output left plain greedy's at a 1.2e-4 logit margin, and attention's reference moved 1e-3
-from exact. XLA:CPU's float32 products are full precision already, and the setting is left off
-there: it changes some of its programs' code (a forward's logits moved by 3e-5 relative).
+mantissa), which rounds a T = 1 step and a T = k + 1 verify differently, enough for speculative
+greedy output to leave plain greedy's and for attention's reference to move from exact
+(bench/RESULTS.md, "Pallas kernels on a GPU"). XLA:CPU's float32 products are full precision
+already, and the setting is left off there: it changes some of its programs' code, and so the
+logits they give.
 """
 
 from __future__ import annotations

@@ -141,7 +141,13 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family trunk. Dimension letters follow STYLE.md."""
+    """Shape and numerics of a Llama-family trunk.
+
+    Its fields name the dimension letters of jaxspec's shape comments (V, D, L, N, K, H, F,
+    below); beside them B is the batch's rows, T the new tokens per row, S the cache's slots and
+    G = N / K the query heads per kv head. A module that needs more letters says which in its
+    docstring.
+    """
 
     architecture: Architecture = Architecture.LLAMA
     vocab_size: int  # V

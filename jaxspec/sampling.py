@@ -125,7 +125,8 @@ def processed_logits(logits: jax.Array, params: SamplingParams, spec: SamplerSpe
     vocab = scaled.shape[-1]
     # Top-k and top-p keep every logit at or above a threshold, one of the row's own values. It is
     # found by bisection over the float bits (32 halvings, each a masked sum over the row), not by
-    # sorting the row: XLA's CPU sort of [32, 49152] costs ~300 ms, the bisection ~10 ms.
+    # sorting the row: on XLA's CPU the bisection is far cheaper than a sort of the whole row
+    # (bench/RESULTS.md, "Sampling filters").
     keys = _order_key(scaled) if spec.top_k or spec.top_p else None  # uint32[B, V]
     if spec.top_k:
         k = jnp.clip(jnp.where(params.top_k > 0, params.top_k, vocab), 1, vocab)

@@ -1,9 +1,9 @@
 """GGUF files: a lean header parser, dequantization, and a family's config and params from them.
 
-The header is read by struct + numpy over an mmap (~0.1 s for the default model, where
-`gguf.GGUFReader` takes ~5 s); tensor data stays memory-mapped until a tensor is asked for, and
-is dequantized by `gguf.quants.dequantize`. Which tensor fills which param, and how (llama.cpp's
-Q/K row permutation undone), is the family's `gguf_tensors` (jaxspec.models.family); the file's
+The header is read by struct + numpy over an mmap, far faster than `gguf.GGUFReader` reads a
+real model's; tensor data stays memory-mapped until a tensor is asked for, and is dequantized by
+`gguf.quants.dequantize`. Which tensor fills which param, and how (llama.cpp's Q/K row
+permutation undone), is the family's `gguf_tensors` (jaxspec.models.family); the file's
 `general.architecture` picks the family. A truncated or corrupt file fails here, naming the file.
 """
 

@@ -97,9 +97,10 @@ def _checkpointer() -> Any:
     """An orbax PyTree checkpointer that stores arrays uncompressed.
 
     Dequantized weights do compress (318 vs 514 MB for the default model), but decompressing
-    them doubles the cached load time, and the cache exists for load time.
+    them slows the cached load, and the cache exists for load time.
     """
-    # Imported here: orbax adds ~0.5 s to `import jaxspec`; only orbax readers/writers need it.
+    # Imported here: orbax is slow to import, and only orbax readers/writers need it, so
+    # `import jaxspec` does not pay for it.
     import orbax.checkpoint as ocp
 
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
@@ -188,7 +189,7 @@ def _fsync_tree(root: pathlib.Path) -> None:
     """Flush every file and directory under `root` before the rename publishes it.
 
     Without this a crash can leave a renamed entry with empty files (ext4 delays allocation);
-    it also keeps writeback of the fresh entry from stalling the next load's reads (~3 s).
+    it also keeps writeback of the fresh entry from stalling the next load's reads.
     """
     for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
         _fsync(path)
@@ -230,7 +231,7 @@ def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = Fa
     cancel = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         # hashlib releases the GIL: hash the file while this thread parses the header and
-        # imports orbax (~0.3 s of a ~1 s cached load). A parse that fails stops the hash, or
+        # imports orbax (a large share of a cached load). A parse that fails stops the hash, or
         # leaving this block would wait for the whole file to be read.
         digest = pool.submit(file_sha256, path, cancel) if use_cache else None
         try:

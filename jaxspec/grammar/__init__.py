@@ -33,9 +33,10 @@ Layouts of the table (V = vocab size, Q = states including reserved ones):
   * classes: tokens that every state treats alike form a class (DFA alphabet compression), and the
     table is `next` [Q, C] over the classes plus `token_class` int32 [V]. A JSON schema's tens of
     thousands of tokens fall into ~100-300 classes (characters that may appear inside a string,
-    digits, each structural piece, ...), so its table is under a MiB where dense would be 40-400
-    MiB (bench/RESULTS.md): a `maxLength` string has a state per length, each sending tokens of
-    each byte length elsewhere, which no per-state exception list compresses but classes do.
+    digits, each structural piece, ...), so its table is over a hundred times smaller than dense
+    (bench/RESULTS.md, "Structured output": the table build): a `maxLength` string has a state per
+    length, each sending tokens of each byte length elsewhere, which no per-state exception list
+    compresses but classes do.
   * sparse: an allowed bitmask uint32 [Q, ceil(V/32)], a per-state `default_next` (the most common
     next state among its allowed tokens) and a CSR list of the exceptions only (tokens whose next
     state differs). A JSON string's inner state (~40k tokens looping to itself) costs one 6 KiB

@@ -320,7 +320,8 @@ def _without_anchors(pattern: str) -> str:
 
 @functools.cache
 def _byte_vocabulary():
-    """The 256 single bytes as a vocabulary: an Index over it checks that a regex parses (~1-20 ms)."""
+    """The 256 single bytes as a vocabulary: an Index over it checks that a regex parses (cheaply:
+    256 tokens, not the model's vocabulary)."""
     import outlines_core
 
     return outlines_core.Vocabulary(256, {bytes([byte]): [byte] for byte in range(256)})

@@ -86,7 +86,7 @@ class GrammarTable:
             return jnp.where(go_right, mid + 1, lo), jnp.where((lo < hi) & ~go_right, mid, hi)
 
         # A rolled loop: the loop calls advance a dozen times a round, and unrolled halvings
-        # (~20 for a large table) made its compile twice as long.
+        # (~20 for a large table) lengthen its compile markedly.
         lo, _ = jax.lax.fori_loop(0, self.search_steps, halve, (start, end))
         at = jnp.minimum(lo, last)
         found = (lo < end) & (self.exc_token[at] == tokens)

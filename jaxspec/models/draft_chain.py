@@ -7,10 +7,10 @@ from the target's own features (depth 0), and to its own chain's entries at slot
 sequence at once, one head forward per depth with the starts as its positions. A query of start
 c at depth j >= 1 therefore attends to the depth-0 entries of starts 0..c (causal) and to its own
 chain's entries of depths 1..j, which sit at the same index c of the deeper forwards: the
-training-time-test mask of the EAGLE-3 paper. (jaxspec's first heads were trained with each depth
-attending causally over its own forward's entries, a context of depth-j features inference never
-builds; measured on held-out corpus rows, that mask overstated the shipped head's agreement at
-depths 1-3 by 0.01-0.03, bench/RESULTS.md.)
+training-time-test mask of the EAGLE-3 paper. Letting each depth attend causally over its own
+forward's entries instead would train on a context of depth-j features inference never builds,
+and overstate the deeper drafts' agreement (bench/RESULTS.md, "The training-time test's mask:
+the shipped head's held-out agreement by depth").
 
 `DraftChain` is what `layers.self_attention` reads in place of a KV buffer when a head runs a
 deeper step of the training-time test; `chain_attention` is that attention, in float32 jnp.
@@ -65,8 +65,8 @@ def chain_attention(q: jax.Array, keys: DraftChain, values: DraftChain, *, scale
     The queries go `query_block` (default QUERY_BLOCK) at a time, block [t0, t1) over context
     entries [0, t1) only: the causal half of the products is never computed, and each block's
     scores (and the probabilities the backward pass keeps) are [B, K, G, 128, t1], where the whole
-    [B, K, G, T, T] of a 1,280-token batch of 8 took 0.5 GB per depth. Forward and backward of one
-    depth at 8 x 1,024 tokens: 2.5x faster (bench/prefill_attention.py)."""
+    [B, K, G, T, T] of a 1,280-token batch of 8 is 0.5 GB per depth. The time this saves a depth's
+    forward and backward: bench/RESULTS.md, "Prefill attention in query blocks"."""
     steps, head_dim = q.shape[1], q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     q = q.astype(jnp.float32) * scale

@@ -11,9 +11,9 @@ and `gated_delta_net`, the whole layer: q/k/v projection, a short causal depthwi
 gated by silu(z). Everything is a pure function; the hybrid cache (jaxspec.models.hybrid_cache)
 owns the ring of committed states, and `qwen35.forward` decides which form a forward runs.
 
-Letters (beside STYLE.md's): E value heads (the state's heads), J key heads, X key head dim,
-Y value head dim, C conv channels (2*J*X + E*Y), W conv kernel, c chunk size. The state is
-[B, E, X, Y]; the rule reads inputs as [B, T, E, ...].
+Letters (beside `jaxspec.config.ModelConfig`'s): E value heads (the state's heads), J key heads,
+X key head dim, Y value head dim, C conv channels (2*J*X + E*Y), W conv kernel, c chunk size. The
+state is [B, E, X, Y]; the rule reads inputs as [B, T, E, ...].
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ record the chunked way instead (~1.5 MiB per position there), the commit then re
 selected state from the chunk start: the same numbers, for a matmul-sized recompute per commit.
 A target can use recorded_steps=0; a draft that rolls back needs its T = 2 catch-up recorded (>= 2).
 
-Letters (beside STYLE.md's): E value heads (the state's heads), J key heads, X key head dim,
-Y value head dim, C conv channels (2*J*X + E*Y), W conv kernel, R rollback states.
+Letters (beside `jaxspec.config.ModelConfig`'s): E value heads (the state's heads), J key heads,
+X key head dim, Y value head dim, C conv channels (2*J*X + E*Y), W conv kernel, R rollback states.
 """
 
 from __future__ import annotations

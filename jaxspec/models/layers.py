@@ -7,7 +7,8 @@ EAGLE-3 and MTP heads all call these, so a fix or a new scaling lands everywhere
 
 Layout (see llama.py for why): weights are `[out, in]` as HF and GGUF store them; activations are
 feature-major, `[D, B*T]` through the projections and `[heads, H, B, T]` per head, so every
-projection is `W @ h`. Dimension letters follow STYLE.md; R is the rotated width (rotary_dim).
+projection is `W @ h`. Dimension letters are `jaxspec.config.ModelConfig`'s; R is the rotated
+width (rotary_dim).
 
 The configs these take are duck-typed: anything with the attributes a function reads (ModelConfig,
 Qwen35Config, an EAGLE-3 head's attention config) works, and being frozen they stay static under jit.

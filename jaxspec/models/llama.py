@@ -6,10 +6,10 @@ logits head; this module holds the family's parameter layout and its forward.
 
 Layout, and why: weights stay `[out, in]` as HF and GGUF store them, and activations inside the
 trunk are feature-major, `[D, B*T]`, so every projection is `W @ h`. On XLA CPU that is the
-spelling whose cost grows slowest with T (T = 8 costs ~1.8x T = 1, against ~3.3x for `x @ W`;
-measured on this trunk), and speculative verification is a T = k+1 forward. Layers are a tuple
-of per-layer params (unrolled under jit): slicing a stacked `[L, ...]` weight per layer measured
-9x slower here.
+spelling whose cost grows slowest with T (against `x @ W`), and speculative verification is a
+T = k+1 forward. Layers are a tuple of per-layer params (unrolled under jit): slicing a stacked
+`[L, ...]` weight per layer is far slower on XLA CPU. Both measured on this trunk:
+bench/RESULTS.md, "Measured by hand (no bench script)".
 
 Params: `LlamaParams` (float32 unless a loader says otherwise), each field's shape and logical
 axes declared on the type (jaxspec.models.params); a layer is `layers.LlamaLayer`. `params_from`

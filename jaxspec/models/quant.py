@@ -12,17 +12,17 @@ The formats:
 - "bf16": bfloat16 weights; activations cast to bfloat16 at the product, accumulated in float32.
   Half the bytes; the GPU default. On XLA CPU the product runs in YNNPACK's bf16 kernel (AMX or
   AVX512-BF16 where the CPU has them) only if its operands reach XLA in row-major layout; see
-  `matmul` for how that is kept. At 2..9 tokens a bf16 forward of the default model then takes
-  about 0.5-0.6 of float32's time and is nearly flat in T (bench/tcost.py); a one-column bf16
-  product falls back to a float32 matrix-vector one, which is one reason decode forwards over
-  bf16 weights are padded to TOKEN_LANES tokens (below).
+  `matmul` for how that is kept. A bf16 forward of the default model at 2..9 tokens is then
+  faster than float32's and nearly flat in T (bench/RESULTS.md, "T-cost curve (bench/tcost.py)");
+  a one-column bf16 product falls back to a float32 matrix-vector one, which is one reason decode
+  forwards over bf16 weights are padded to TOKEN_LANES tokens (below).
 - "int8": per-output-row symmetric int8 (scale = max|row| / 127), stored rotated: the input axis
   goes through an orthonormal block Walsh-Hadamard transform H (blocks of 64, or the largest
   power of two dividing the input width), so the weight holds W H and the product rotates its
   input too: (W H)(H x) = W x, since H H = I. The rotation spreads the few outlier channels of
   an activation over their block, which is what lets one int8 scale per token serve the whole
-  token (QuaRot's observation). Measured on the default model: per-token activations without it
-  cost +3.6% perplexity, with it none (bench/kv_formats.py). On CPU the product is W8A8:
+  token (QuaRot's observation). Without it per-token activations cost the default model
+  perplexity; with it, none (bench/RESULTS.md, "KV formats"). On CPU the product is W8A8:
   activations are rotated, quantized per token (per column of the feature-major `[in, B*T]`
   stream: one scale per token) and multiplied in int8 x int8 -> int32, then scaled back in
   float32. Integer accumulation is exact, and every other step of the product is per element or
@@ -32,11 +32,12 @@ The formats:
   features the same way at every token count (`layers.feature_sum`), and then on the default
   model a position's logits are bitwise the same in a step as inside a verify (measured at batch
   1 to 64; the attention's float work still varies with the query count at other shapes:
-  docs/design.md). (Per-block activation
-  scales, the other cure for outliers, need a batched product per block, ~2x slower here.)
+  docs/design.md, "Models are pure functions over pytrees"). (Per-block activation scales, the
+  other cure for outliers, need a batched product per block, which is slower here.)
   On XLA CPU a one-column int8 product takes a slow matrix-vector path, so one-column products
-  are padded to two. At 2..8 tokens an int8 forward of the default model takes 0.6-0.8 of
-  float32's time (bench/tcost.py): XLA's int8 dot is far from streaming 4x fewer bytes 4x faster.
+  are padded to two. An int8 forward of the default model on XLA is faster than float32's, but
+  XLA's int8 dot is far from streaming a quarter of the bytes four times as fast (bench/RESULTS.md,
+  "T-cost curve (bench/tcost.py)").
   On GPU the product is W8A16 (jaxspec.pallas.int8_matmul): weights converted to bfloat16 on the
   way in.
 - "q4": 4 bits a weight: blocks of Q4_BLOCK inputs along each row, each with a float16 scale d
@@ -70,8 +71,8 @@ INT8_MAX = 127  # symmetric: codes in [-127, 127], so negation never overflows
 # feature-major stream) 8 float32 lanes at a time, and a token past the last full vector takes a
 # scalar path whose rounding can differ by an ulp (FMA contraction, transcendentals, summation
 # order). Under float32 weights that is a 1e-5 wobble; under int8 activations an ulp can flip a
-# rounding and the flip grows through the layers (logits moved by up to 1.0 between a step and a
-# verify on the default model). So decode forwards with int8 or bf16 weights carry a multiple of
+# rounding and the flip grows through the layers, until a step and a verify of the same position
+# disagree on its logits. So decode forwards with int8 or bf16 weights carry a multiple of
 # 8 tokens (`loop.padded_tokens`): every token then takes the vector path, in a step as in a
 # verify. Reductions over features are the other half: see `layers.feature_sum`.
 TOKEN_LANES = 8
@@ -290,7 +291,7 @@ def _bf16_product(w: jax.Array, x: jax.Array) -> jax.Array:
     feature-major stream is born of a transpose (the embedding rows [B*T, D] turned into
     [D, B*T]), and XLA gives a transpose, and everything elementwise after it (the norms), the
     column-major layout that makes it free: so the products after a norm (fused q/k/v, gate/up,
-    the LM head) ran in float32 at more than twice the time. A reshape's result is laid out
+    the LM head) would run in float32, far slower. A reshape's result is laid out
     row-major: the activation goes through one (a unit axis, [I, 1, N]), and layout assignment
     later pays the (small) transposed copy where one is needed instead of the weight's
     conversion. Same values, same float32 accumulation. The weight, a parameter, is row-major.

@@ -49,12 +49,13 @@ _FULL = jax.lax.Precision.HIGHEST
 
 def _reference_precision() -> jax.lax.Precision | None:
     """The reference's product precision, read when it is traced: full float32 on a GPU, where the
-    default is TF32 (it moved the reference 1e-3 from the kernel on an H200, and a reference
-    called outside an engine program is not under `compilation.full_precision_products`); the
-    default elsewhere, since XLA:CPU's float32 products are full precision already and an
-    explicit HIGHEST changes its programs (the engine's CPU programs stay as they were:
-    tests/test_loop.py). The check is `compilation.pins_full_precision`'s, which this module
-    cannot import (jaxspec.compilation imports the checkpoint loaders, which import models)."""
+    default is TF32 (which parts the reference from the kernel: bench/RESULTS.md, "Pallas kernels
+    on a GPU"; and a reference called outside an engine program is not under
+    `compilation.full_precision_products`); the default elsewhere, since XLA:CPU's float32
+    products are full precision already and an explicit HIGHEST changes its programs (the
+    engine's CPU programs stay as they were: tests/test_loop.py). The check is
+    `compilation.pins_full_precision`'s, which this module cannot import (jaxspec.compilation
+    imports the checkpoint loaders, which import models)."""
     return _FULL if jax.default_backend() == "gpu" else None
 _GPU_MIN_ROWS = 16  # Triton's dot needs at least 16 rows
 _WORD_BITS = 32  # window slots per packed tree-mask word (int32)
@@ -70,9 +71,10 @@ PREFILL_QUERY_BLOCK = 128
 # How a decode or verify step's q.k is laid out: "query-major" ([Q, H] x [S, H]^T -> [B, K, Q, S]),
 # whose every query gets the same bits whatever the number of queries beside it, or
 # "cache-major" ([S, H] x [H, Q] -> [B, K, S, Q], held by an optimization barrier), which is not:
-# XLA:CPU's product tiles Q there, and on an AMD EPYC (Zen 2) a query's scores changed by an ulp
-# with Q mod 16 (1-8 against 9-16), so a batch-16 int8 step (Q = 3) and k = 4 verify (Q = 15)
-# parted in the first MT-bench row. Kept for bench/attention.py, which times both.
+# XLA:CPU's product tiles Q there, so a query's scores can change by an ulp with the number of
+# queries beside it (on an AMD EPYC, Zen 2: with Q mod 16), and a decode step and a verify of the
+# same position then part. Kept for bench/attention.py, which times both (bench/RESULTS.md,
+# "Decode attention layout").
 DECODE_SCORES_LAYOUT = "query-major"
 # XLA:CPU (jax 0.10.2) emits elementwise loops and reductions of fewer elements than this another
 # way (exp and sums round differently): the decode reference keeps its scores at least this big
@@ -140,10 +142,10 @@ def mask_visible(mask: TreeMask | None, lengths: jax.Array, steps: int, slots: j
 def resolve_attention(attention: Attention | str) -> Attention:
     """AUTO -> REFERENCE on every backend; PALLAS (asked for by name) off a GPU is an error.
 
-    Why not the kernel on a GPU: on an H200 (bench/RESULTS.md, "Pallas kernels on a GPU") it was
-    exact but 2.3-6.6x slower than XLA's own attention over full rows (B=8, S=8192, every K/V
-    format): its blocking was never tuned on a GPU. It stays one argument away for ragged rows,
-    where it skips empty blocks, and for tuning."""
+    Why not the kernel on a GPU: on an H200 it was exact but slower than XLA's own attention over
+    full rows, in every K/V format (bench/RESULTS.md, "Pallas kernels on a GPU"): its blocking was
+    never tuned on a GPU. It stays one argument away for ragged rows, where it skips empty blocks,
+    and for tuning."""
     attention = Attention.parse(attention)
     backend = jax.default_backend()
     if attention is Attention.AUTO:
@@ -256,10 +258,10 @@ def _prefill_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible
     no rule (causal, tree, window) shows it a later slot, so block [t0, t1) reads slots
     [0, S - T + t1) and the rest, all masked, are never computed: a forward over a fresh cache
     of its own length (a training feature pass) does half the causal products, and each block's
-    scores [B, K, G, 128, S'] stay small where a 1,024-token window's whole [B, K, G*T, S] did not
-    (bench/prefill_attention.py: a whole forward of the default model at 8 x 1,024 tokens 1.2x
-    faster, 1.0-1.1x at 2 x 256..1,024, a 1,024-token prompt 1.18x). Every query's masked slots
-    weigh exactly 0 either way, so only the products' summation order can differ.
+    scores [B, K, G, 128, S'] stay small where a 1,024-token window's whole [B, K, G*T, S] does not
+    (what that does to a whole forward's time: bench/RESULTS.md, "Prefill attention in query
+    blocks"). Every query's masked slots weigh exactly 0 either way, so only the products'
+    summation order can differ.
     q: [B, T, K, G, H]; keys, values: [B, K, S, H] float32; visible: bool[B, T, S].
     Returns float32 [B, T, K, G, H]."""
     steps, capacity = q.shape[1], keys.shape[2]

@@ -216,9 +216,9 @@ class Dataset:
     def cut_after_prompt(self, answer_tokens: int) -> "Dataset":
         """Each row cut `answer_tokens` positions after its prompt: its first answer's opening
         (after an answer that ended sooner, what follows it: a second turn's start). Where a
-        small model's long answers mostly loop (bench/corpus_repetition.py: a 3-gram lookup
-        proposes 85% of answer tokens 256-511), and where Spec-Bench measures a head (its first
-        128 tokens), at a fraction of the feature and training cost."""
+        small model's long answers mostly loop (a 3-gram lookup proposes most of their later
+        tokens: bench/RESULTS.md, "Corpus repetition"), and where Spec-Bench measures a head (its
+        first 128 tokens), at a fraction of the feature and training cost."""
         if not is_integer(answer_tokens) or answer_tokens < 1:
             raise InvalidRequestError(f"answer_tokens must be an integer >= 1; got {answer_tokens!r}")
         lengths = np.minimum(self.lengths, self.prompt_lengths + answer_tokens).astype(np.int32)

@@ -71,10 +71,10 @@ class FeatureCache:
     first costs only the head. Because a row is found by its tokens, not by its place in one
     Dataset, a cache serves any data whose rows it holds: a corpus growing a round at a time
     computes each round's rows once, and a run on the union of rounds reads them all (a round's
-    pass takes about 70 min of this repository's 2-core CPU at ~120 tokens/s). Rows missing from the cache are
-    computed in shards of `chunk_rows`, in order of length, each shard only as wide as its longest
-    row needs (`bucket_widths`), so short answers in a long window cost their tokens, not rows x
-    window. Per shard n, three memory-mapped .npy files:
+    pass is long on a CPU: bench/RESULTS.md, "Feature-pass forwards: rows per forward"). Rows
+    missing from the cache are computed in shards of `chunk_rows`, in order of length, each shard
+    only as wide as its longest row needs (`bucket_widths`), so short answers in a long window
+    cost their tokens, not rows x window. Per shard n, three memory-mapped .npy files:
 
         features_{n}.npy   float16[r, F, W_n, D]   the target's hidden layers (F = len(layers))
         labels_{n}.npy     int32[r, W_n]           the target's next-token argmax per position
@@ -121,7 +121,8 @@ FEATURE_LAYOUT = "by_row/2"  # shards found by row content, each as wide as its 
 ROW_KEY_BYTES = 16
 # Rows per target forward: as many as fill this many tokens (a power of two, at least one). The
 # labels take the argmax of every position's full-vocabulary logits, float32 [B, W, 49152]: 1.6 GB
-# at 8 x 1,024, where 2 x 1,024 runs 1.1x faster per token (bench/prefill_attention.py --labels).
+# at 8 x 1,024, where 2 x 1,024 runs faster per token (bench/RESULTS.md, "Feature-pass forwards:
+# rows per forward").
 TOKENS_PER_FORWARD = 2048
 
 

@@ -338,9 +338,9 @@ def train(target: Model, data: Dataset, out_dir: str | os.PathLike[str], cfg: Tr
     # The target's embedding and LM head sit inside the differentiated step (the loss reads the
     # draft's logits through them), and the native CPU kernels have no gradient: XLA's products.
     target = dataclasses.replace(target, params=backends.standard(target.params))
-    # A step compiles once per batch width (~50 s for the default model at TTT 7, and a corpus of
-    # mixed lengths has up to 2048 / bucket_width widths), the feature pass once per forward
-    # shape: on disk, a resumed run or the next run on the same shapes loads them instead.
+    # A step compiles once per batch width (a long compile for the default model at TTT 7, and a
+    # corpus of mixed lengths has up to 2048 / bucket_width widths), the feature pass once per
+    # forward shape: on disk, a resumed run or the next run on the same shapes loads them instead.
     compilation.enable_persistent_cache()
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

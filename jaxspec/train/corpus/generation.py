@@ -50,12 +50,11 @@ def _generate_batches(target: Model, prompts: Sequence[Sequence[int]], *, batch_
     Greedy decoding can run in `spans` equal spans of the new tokens: after each, the rows
     still going continue from their prompt plus what they wrote, regrouped into full batches. A
     batch runs until its longest row is done, so in one span the rows that ended early ride
-    along, and every step reads a cache sized for the longest. Half the answers here end well
-    before the bound (mean 177 of 512 tokens) and half run to it: by a step cost linear in the
-    cache, two spans should spend about 0.6x the time of one. Measured together with the
-    cache-major attention: an answer shard of 256 prompts took 1,212 s, against 3,419 s in one
-    span before both (2.8x; the two were not timed apart). Attention is query-major since
-    (exact across widths; the batch-64 step 1.2-2x slower: bench/attention.py)."""
+    along, and every step reads a cache sized for the longest. Many answers here end well before
+    the bound and the rest run to it, so by a step cost linear in the cache two spans cost
+    clearly less than one: the first runs over caches sized for part of the bound, the second
+    only the rows still going (an answer shard's time: bench/RESULTS.md, "Measured by hand (no
+    bench script)")."""
     if spans <= 1 or temperature > 0 or max_new_tokens < 2 * spans:
         return _generate_span(target, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens, window=window,
                               temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids,
@@ -94,8 +93,8 @@ def _generate_span(target: Model, prompts: Sequence[Sequence[int]], *, batch_siz
     while start < len(order):
         # A batch's memory grows with rows x prompt length (a prefill's scores are [rows, heads,
         # prompt, slots]): long prompts (second turns) go in halved batches, so no batch costs
-        # more than `batch_size` rows of BATCH_PROMPT_TOKENS (64 rows of 1,024-token prompts
-        # took 11 GB here). Rows stay a power-of-two fraction of `batch_size`: few shapes.
+        # more than `batch_size` rows of BATCH_PROMPT_TOKENS, however long its prompts. Rows stay
+        # a power-of-two fraction of `batch_size`: few shapes.
         rows = batch_size  # the batch's padded size
         while rows > 1 and rows * len(prompts[order[min(start + rows, len(order)) - 1]]) > \
                 batch_size * BATCH_PROMPT_TOKENS:
