@@ -157,9 +157,9 @@ def run_group(model, head, prompts: list[str], plain_tokens, divergences: list[s
     return result.stats
 
 
-def timing(model, runs: dict[str, tuple], prompts: list[str], k: int) -> dict[str, float]:
+def timing(model, runs: dict[str, tuple], prompts: list[str]) -> dict[str, float]:
     """Median over prompts (batch 1) of each run's decode tokens/s over plain's, run back to back;
-    `runs` maps a name to (head, extra generate options)."""
+    `runs` maps a name to (head, extra generate options: a chain's num_draft_tokens, or a tree)."""
     stop = model.tokenizer.encode(TIMING_STOP_TOKEN, add_special_tokens=False)
     ratios: dict[str, list[float]] = {name: [] for name in runs}
     plain_rates = []
@@ -170,7 +170,7 @@ def timing(model, runs: dict[str, tuple], prompts: list[str], k: int) -> dict[st
         plain_rates.append(plain.stats.decode_tokens_per_second)
         for name, (head, extra) in runs.items():
             for _ in range(2):
-                spec = jaxspec.generate(model, head, prompt, num_draft_tokens=k, **options, **extra)
+                spec = jaxspec.generate(model, head, prompt, **options, **extra)
             ratios[name].append(spec.stats.decode_tokens_per_second / plain.stats.decode_tokens_per_second)
     return {"plain": statistics.median(plain_rates), **{name: statistics.median(r) for name, r in ratios.items()}}
 
@@ -239,12 +239,13 @@ def main(argv: list[str] | None = None) -> int:
                 entry[1][group] = (stats.acceptance_by_position[0], stats.tau)
                 print(f"{group:15s} {name:6s} {kind} {value}: first draft {stats.acceptance_by_position[0]:.3f}, "
                       f"tau {stats.tau:.2f}", flush=True)
-    drafts = [(f"chain {args.timing_k}", {})] + [(f"tree {shape}", dict(tree=shape)) for shape in args.timing_tree]
+    drafts = [(f"chain {args.timing_k}", dict(num_draft_tokens=args.timing_k))]
+    drafts += [(f"tree {shape}", dict(tree=shape)) for shape in args.timing_tree]
     drafts += [(f"{label} +lookup{n}", dict(extra, lookup_first=n)) for label, extra in list(drafts)
                for n in args.lookup_first]
     timed = {f"{name} {label}": (head, extra) for name, head in heads.items() for label, extra in drafts}
-    speed = timing(model, timed, [p.text for p in picked[args.timing_group][: args.timing_prompts]],
-                   args.timing_k) if args.timing_prompts else None
+    speed = timing(model, timed, [p.text for p in picked[args.timing_group][: args.timing_prompts]]
+                   ) if args.timing_prompts else None
 
     title = section_title(args.weight_format, args.timing_group)
     lines = [title, "",

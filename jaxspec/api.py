@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -47,6 +48,20 @@ MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKENS_BUCKET = 128
 MIN_STOP_IDS_BUCKET = 8  # stop token ids (EOS included) travel as a padded array
 ROUND_ROOM = 64  # cache slots past the new tokens' bucket come in blocks of this many (prepare)
+
+Prompt = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
+
+
+class _Required:
+    """The default of `prompt`: it follows the optional `draft_params` (so `generate(model,
+    draft, prompt)` and `generate(model, prompt=...)` both work), where Python cannot mark an
+    argument required. A call that leaves it out is refused by name (`_check_prompt_given`)."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+REQUIRED = _Required()
 
 
 def load(name_or_path: str = DEFAULT_MODEL, *, weight_format: WeightFormat | str = WeightFormat.AUTO,
@@ -191,10 +206,12 @@ class GenerateResult:
     logprobs: list[list[TokenLogprob]] | None = None  # per row, per token in `tokens`; with logprobs=N
 
 
-def prompt_ids(prompt, model: Model, chat: bool) -> list[list[int]]:
+def prompt_ids(prompt, model: Model, chat: bool | None) -> list[list[int]]:
     """A prompt (str, list of str, ids, batch of ids) as a list of id lists: text tokenized (with
-    the chat template when `chat`), ids checked against the vocabulary. InvalidRequestError names
-    what is wrong."""
+    the chat template when `chat`; None: when the model's tokenizer has one), ids checked against
+    the vocabulary. InvalidRequestError names what is wrong."""
+    if chat is None:
+        chat = model.tokenizer is not None and bool(model.tokenizer.chat_template)
     if isinstance(prompt, np.ndarray):
         prompt = prompt.tolist()
     if isinstance(prompt, bytes | bytearray):  # a Sequence of ints to Python, never token ids
@@ -304,11 +321,38 @@ def _check_cache_fits(cfg, kv_format: KVFormat | None, batch: int, capacity: int
             f"kv_format (q8_0, q5_1)")
 
 
-def prepare(model: Model, prompt, draft_params: Model | None = None, options: GenerateOptions | None = None,
-            **overrides) -> Prepared:
+def _check_prompt_given(draft_params, prompt) -> None:
+    """Refuse a call with no prompt, naming where it goes; a prompt passed second, in the draft's
+    place (`generate(model, "Hi")`), is named as that."""
+    if prompt is not REQUIRED:
+        return
+    if draft_params is not None and not isinstance(draft_params, Model):
+        raise InvalidRequestError(
+            f"no prompt given, and draft_params is a {type(draft_params).__name__}, not a Model: the second "
+            "argument is the draft; pass the prompt by name, generate(model, prompt=...), or third, "
+            "generate(model, None, prompt)")
+    raise InvalidRequestError("no prompt given: pass it by name, generate(model, prompt=...), or third, "
+                              "generate(model, draft_params, prompt)")
+
+
+# The MTP head a target's own checkpoint carries, read on the first "mtp" request without a draft
+# and kept per target Model (hashable by identity; the entry goes when the target does), so
+# later requests do not read it from disk again.
+_OWN_MTP_HEADS: "weakref.WeakKeyDictionary[Model, Model]" = weakref.WeakKeyDictionary()
+
+
+def _own_mtp_head(model: Model) -> Model:
+    if model not in _OWN_MTP_HEADS:
+        _OWN_MTP_HEADS[model] = load_mtp(model)
+    return _OWN_MTP_HEADS[model]
+
+
+def prepare(model: Model, draft_params: Model | None = None, prompt: Prompt = REQUIRED, *,
+            options: GenerateOptions | None = None, **overrides) -> Prepared:
     """Check a request against `model` and build what the jitted program takes; raises
     InvalidRequestError (or the error the draft or the KV format names) before any tracing.
-    `options`, or the GenerateOptions fields as keyword arguments."""
+    Arguments as `generate`'s; `options`, or the GenerateOptions fields as keyword arguments."""
+    _check_prompt_given(draft_params, prompt)
     if options is None:
         options = GenerateOptions.from_kwargs(**overrides)
     elif overrides:
@@ -321,7 +365,7 @@ def prepare(model: Model, prompt, draft_params: Model | None = None, options: Ge
         options.kv_format.check(cfg)
     method = options.method if options.method is not None else Method.infer(draft_params)
     if method is Method.MTP and draft_params is None:  # the head the target's own checkpoint carries
-        draft_params = load_mtp(model)
+        draft_params = _own_mtp_head(model)
     if isinstance(draft_params, Model):
         draft_params = on_mesh_of(with_weight_format(draft_params, model), model)
     plan = model.sharding
@@ -495,20 +539,23 @@ def _timed(call, what: str):
     return result, max(elapsed - watch.seconds, 0.0), watch.seconds
 
 
-def generate(model: Model, draft_params: Model | None = None,
-             prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] = "",
+def generate(model: Model, draft_params: Model | None = None, prompt: Prompt = REQUIRED,
              **options) -> GenerateResult:
     """Generate from `model` on device: one jitted prefill, then one jitted `lax.while_loop`.
 
-    `prompt` is a string, a list of strings (a batch), token ids, or a batch of token ids.
+    `prompt` (required: third, `generate(model, draft, prompt)`, or by name,
+    `generate(model, prompt=...)`) is a string, a list of strings (a batch), token ids, or a batch
+    of token ids. Text goes through the model's chat template where its tokenizer has one
+    (`chat=None`, the default, as in the CLI); `chat=False` encodes it raw.
     `options` are the fields of `GenerateOptions`, which holds their defaults and checks them.
     Speculation: `method` is "ngram" (prompt lookup), "draft" (`draft_params`, a model sharing
     the vocabulary), "layer_skip" (the target's first `exit_layer` layers; default half),
     "eagle3" (`draft_params`, an EAGLE-3 head), "mtp" (`draft_params` from `load_mtp`, by default
     the head the target's own checkpoint carries), or inferred from `draft_params`;
-    `num_draft_tokens` (k) per round; `lookup_first=n` puts prompt lookup in front of an eagle3,
-    mtp or assistant drafter (rows whose last n tokens occurred earlier draft the lookup's
-    continuation). Greedy speculative output equals plain greedy output token for token.
+    `num_draft_tokens` (k, default 4) per round, or a `tree` (it drafts to its depth);
+    `lookup_first=n` puts prompt lookup in front of an eagle3, mtp or assistant drafter (rows
+    whose last n tokens occurred earlier draft the lookup's continuation). Greedy speculative
+    output equals plain greedy output token for token.
     Sampling at temperature > 0 with the given filters and `seed` (same seed, same output);
     with a proposer, verification is lossless rejection sampling, and draft models draw their
     drafts from their own distribution (`draft_sampling="sample"`, the default) or propose
@@ -520,7 +567,7 @@ def generate(model: Model, draft_params: Model | None = None,
     The first call for a shape compiles (a `compiling ...` line on stderr, see
     `jaxspec.compilation`); compiled programs persist on disk across runs.
     """
-    prepared = prepare(model, prompt, draft_params, **options)
+    prepared = prepare(model, draft_params, prompt, **options)
     compilation.enable_persistent_cache()
     draft = prepared.speculation.draft_inputs(model)
     args, spec = (model.params, draft), prepared.spec
@@ -543,9 +590,9 @@ class Stream:
     copies only its newly committed tokens to the host.
     """
 
-    def __init__(self, model: Model, prompt, draft_params=None, **options):
+    def __init__(self, model: Model, draft_params: Model | None = None, prompt: Prompt = REQUIRED, **options):
         self._model = model
-        self._prepared = prepare(model, prompt, draft_params, **options)
+        self._prepared = prepare(model, draft_params, prompt, **options)
         if len(self._prepared.rows) != 1:
             raise InvalidRequestError("stream() takes one prompt; use generate() for a batch")
         self.result: GenerateResult | None = None
@@ -608,7 +655,7 @@ class Stream:
         self.result = _finish(model, prepared, [generated], reasons, stats, logprobs)
 
 
-def stream(model: Model, prompt, draft_params: Model | None = None, **options) -> Stream:
-    """Like `generate` for one prompt (any method), but yields text deltas as they are committed.
-    `options` are the fields of `GenerateOptions`."""
-    return Stream(model, prompt, draft_params, **options)
+def stream(model: Model, draft_params: Model | None = None, prompt: Prompt = REQUIRED, **options) -> Stream:
+    """Like `generate` (the same arguments) for one prompt (any method), but yields text deltas as
+    they are committed. `options` are the fields of `GenerateOptions`."""
+    return Stream(model, draft_params, prompt, **options)

@@ -32,12 +32,12 @@ import numpy as np
 from flax import struct
 
 from jaxspec.config import ModelConfig
-from jaxspec.errors import InvalidRequestError, JaxspecError
+from jaxspec.errors import InvalidRequestError
 from jaxspec.pallas import kv_quant
 from jaxspec.pallas.kv_quant import Format, Packed
 
 # Logical axis names, stable so shardings can be declared later without touching the models
-# (DESIGN.md contract 8): batch shards data-parallel, kv heads tensor-parallel. Every leaf of a
+# (docs/design.md, "Sharding"): batch shards data-parallel, kv heads tensor-parallel. Every leaf of a
 # quantized buffer has the same axes, its last one the packed head dim (never sharded).
 KV_AXES = ("batch", "kv_heads", "kv_seq", "head_dim")
 
@@ -58,9 +58,11 @@ def kv_layout(cfg) -> tuple[tuple[int, int], ...]:
     return ((cfg.num_kv_heads, cfg.head_dim),) * len(layers)
 
 
-class StateRollbackError(JaxspecError):
+class StateRollbackError(RuntimeError):
     """A cache was asked for a length it cannot serve: behind what it can roll back to, or past
-    what the last forward wrote (for a recurrent state), or outside [0, capacity]."""
+    what the last forward wrote (for a recurrent state), or outside [0, capacity]. An internal
+    invariant, not bad input: `prepare` sizes every cache for the rollbacks its request makes
+    (a hybrid draft's ring for its k), so one reaching a user is a bug."""
 
 
 @runtime_checkable

@@ -21,7 +21,7 @@ from jaxspec.model import shard
 from jaxspec.models import backends
 from jaxspec.models.backends import Products
 from jaxspec.models.quant import WeightFormat
-from jaxspec.options import GenerateOptions
+from jaxspec.options import DEFAULT_DRAFT_TOKENS, GenerateOptions
 from jaxspec.score import score
 from jaxspec.spec.methods import DRAFT_SAMPLING, Method
 from jaxspec.spec.tree import DraftTree
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "shared-KV assistant, --draft DIR); default plain, "
                           "or inferred from --draft")
     gen.add_argument("-k", "--num-draft-tokens", type=int, default=DEFAULTS.num_draft_tokens,
-                     help="draft tokens per round")
+                     help=f"draft tokens per round (default {DEFAULT_DRAFT_TOKENS}; a --tree drafts to its depth)")
     gen.add_argument("--draft", default=None,
                      help="a draft model (same vocabulary), an EAGLE-3 head directory or name "
                           "(eagle3-smollm2-135m), a trained MTP head directory, or for --method mtp the HF "
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto (default: native on the native product backend, else reference), reference, native, pallas or interpret")
     gen.add_argument("--exit-layer", type=int, default=None,
                      help="with --method layer_skip: layers the draft keeps (default half)")
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=DEFAULTS.chat,
                      help="apply the model's chat template (default: on when the model has one)")
     gen.add_argument("--weight-format", **WEIGHT_FORMAT_FLAG)
     gen.add_argument("--products", **PRODUCTS_FLAG)
@@ -273,8 +273,8 @@ def _generate(args) -> None:
         lookup_first=args.lookup_first,
         draft_sampling=args.draft_sampling, kv_format=kv_format, attention=args.attention,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-        logprobs=args.logprobs, regex=args.regex, json_schema=json_schema, choices=args.choice)
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, chat=args.chat,
+        stop=args.stop, logprobs=args.logprobs, regex=args.regex, json_schema=json_schema, choices=args.choice)
     model = api.load(args.model, weight_format=args.weight_format, products=args.products, progress=main_process)
     if mesh_sizes is not None:
         model = shard(model, sharding.make_mesh(**mesh_sizes))  # a draft follows the target's mesh
@@ -282,8 +282,7 @@ def _generate(args) -> None:
         draft = api.load_mtp(args.draft) if args.draft else None
     else:
         draft = api.load(args.draft, progress=main_process) if args.draft else None
-    chat = args.chat if args.chat is not None else bool(model.tokenizer and model.tokenizer.chat_template)
-    stream = api.stream(model, args.prompt, draft, options=dataclasses.replace(options, chat=chat))
+    stream = api.stream(model, draft, args.prompt, options=options)
     for text in stream:
         if main_process:  # under a multi-host mesh, every process runs the loop and one prints
             print(text, end="", flush=True)

@@ -187,21 +187,21 @@ class ModelConfig:
 
 def count(value: Any) -> int:
     """A config's integer, strictly: an int, or a float holding a whole number (exporters write
-    32.0). A bool, a string ("32") or 2.5 raises TypeError, which `config_values_checked` turns
-    into a CheckpointError naming the file: int() would take "32" and silently truncate 2.5."""
+    32.0). A bool, a string ("32") or 2.5 raises CheckpointError (`config_values_checked` names
+    the file): int() would take "32" and silently truncate 2.5."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"expected an integer, got {value!r:.40}")
+        raise CheckpointError(f"expected an integer, got {value!r:.40}")
     if isinstance(value, numbers.Integral):
         return int(value)
     if not float(value).is_integer():
-        raise TypeError(f"expected an integer, got {value!r}")
+        raise CheckpointError(f"expected an integer, got {value!r}")
     return int(value)
 
 
 def real(value: Any) -> float:
     """A config's number, strictly: an int or a float, never a bool or a numeric string."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"expected a number, got {value!r:.40}")
+        raise CheckpointError(f"expected a number, got {value!r:.40}")
     return float(value)
 
 
@@ -255,7 +255,7 @@ def flag(value: Any, name: str) -> bool:
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    raise TypeError(f"{name} must be true or false; got {value!r}")
+    raise CheckpointError(f"{name} must be true or false; got {value!r}")
 
 
 def resolve_rotary_dim(hf: Mapping[str, Any], head_dim: int) -> int:
@@ -352,7 +352,7 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, numbers.Real):
         return (count(value),)
     if not isinstance(value, list):
-        raise TypeError(f"eos_token_id must be a token id or a list of them; got {value!r:.40}")
+        raise CheckpointError(f"eos_token_id must be a token id or a list of them; got {value!r:.40}")
     return tuple(count(v) for v in value)
 
 

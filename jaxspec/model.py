@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from jaxspec import models
-from jaxspec.errors import InvalidRequestError, is_integer
+from jaxspec.errors import InvalidRequestError, UnsupportedModelError, is_integer
 from jaxspec.models import backends, layers, quant
 from jaxspec.models.backends import Backend, Products
 from jaxspec.models.quant import WeightFormat
@@ -54,7 +54,7 @@ def check_trunk(model: Model, use: str) -> None:
     target of `generate`, the model `score` reads): it predicts only from a target's hidden states."""
     try:
         models.family_of(model.config)
-    except TypeError:
+    except UnsupportedModelError:
         name = type(model.config).__name__
         kind = DRAFT_HEAD_KINDS.get(name, f"a model of config type {name}")
         raise InvalidRequestError(

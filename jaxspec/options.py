@@ -22,6 +22,7 @@ from jaxspec.sampling import SamplerSpec, spec_for
 from jaxspec.spec.methods import DRAFT_SAMPLING, MAX_DRAFT_TOKENS, DraftOptions, Method, check_lookup_first
 from jaxspec.spec.tree import DraftTree
 
+DEFAULT_DRAFT_TOKENS = 4  # a chain's k when num_draft_tokens is not given
 MAX_NGRAM = 16
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs)
 GRAMMAR_KINDS = ("regex", "json_schema", "choices")
@@ -38,14 +39,17 @@ def _is_sequence(value) -> bool:
 class GenerateOptions:
     """A generation request's settings (all but the model, draft and prompt).
 
-    Speculation: `method` (None: "plain", or inferred from the draft), `num_draft_tokens` (k),
-    prompt lookup's n-gram range, the layer-skip draft's `exit_layer` (default half the layers),
-    `draft_sampling` ("sample" or "argmax" drafts at temperature > 0), `tree` (a `DraftTree`, a
-    (depth, top_k, num_nodes) triple or "D,K,N": draft an EAGLE-2 tree instead of a chain of k),
+    Speculation: `method` (None: "plain", or inferred from the draft), `num_draft_tokens` (k, the
+    chain's length; None: 4), prompt lookup's n-gram range, the layer-skip draft's `exit_layer`
+    (default half the layers), `draft_sampling` ("sample" or "argmax" drafts at temperature > 0),
+    `tree` (a `DraftTree`, a (depth, top_k, num_nodes) triple or "D,K,N": draft an EAGLE-2 tree
+    instead of a chain; it drafts to its depth, so it is refused beside a num_draft_tokens),
     `lookup_first` n (with eagle3, mtp or assistant: rows whose last n tokens occurred earlier in
     their context draft prompt lookup's continuation instead of the model's; None: off).
     Sampling: temperature 0 is greedy; top_k 0, top_p 1, min_p 0 and repetition_penalty 1 are off.
-    Each may also be a per-row sequence. Stops: EOS (unless `ignore_eos`), `stop_token_ids`, `stop`
+    Each may also be a per-row sequence. `chat`: text prompts through the model's chat template
+    (None, the default: when its tokenizer has one, as in the CLI; True refuses a model without
+    one). Stops: EOS (unless `ignore_eos`), `stop_token_ids`, `stop`
     strings, `max_new_tokens`. KV cache: `kv_format` ("f32", "bf16", "q8_0", "q5_1" or a (K, V)
     pair) and `attention` ("auto", "reference", "pallas", "interpret").
     Log-probs: `logprobs` N reports each generated token's log-prob and its N best alternatives
@@ -55,7 +59,7 @@ class GenerateOptions:
     """
 
     method: Method | str | None = None
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | None = None
     ngram_max: int = 3
     ngram_min: int = 1
     exit_layer: int | None = None
@@ -69,7 +73,7 @@ class GenerateOptions:
     min_p: float | Sequence[float] = 0.0
     repetition_penalty: float | Sequence[float] = 1.0
     seed: int = 0
-    chat: bool = False
+    chat: bool | None = None
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
@@ -88,8 +92,9 @@ class GenerateOptions:
         if self.method is not None:
             normalise("method", Method.parse(self.method))
         k = self.num_draft_tokens
-        if not is_integer(k) or not 1 <= k <= MAX_DRAFT_TOKENS:
-            raise InvalidRequestError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}]; got {k!r}")
+        if k is not None and (not is_integer(k) or not 1 <= k <= MAX_DRAFT_TOKENS):
+            raise InvalidRequestError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] or None; "
+                                      f"got {k!r}")
         if not (is_integer(self.ngram_min) and is_integer(self.ngram_max)
                 and 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM):
             raise InvalidRequestError(
@@ -97,6 +102,12 @@ class GenerateOptions:
         if self.exit_layer is not None and (not is_integer(self.exit_layer) or self.exit_layer < 1):
             raise InvalidRequestError(f"exit_layer must be an integer >= 1; got {self.exit_layer!r}")
         normalise("tree", DraftTree.parse(self.tree))
+        if self.tree is not None and k is not None:
+            # A tree drafts to its depth: a k beside it would be ignored, and the stats would report
+            # the depth as num_draft_tokens.
+            raise InvalidRequestError(
+                f"num_draft_tokens ({int(k)}) and a tree ({self.tree}) were both given: a tree drafts to its depth "
+                f"({self.tree.depth}), num_draft_tokens sets a chain's length; give one of them")
         if self.lookup_first is not None:
             if not is_integer(self.lookup_first) or not 1 <= self.lookup_first <= MAX_NGRAM:
                 raise InvalidRequestError(f"lookup_first must be an n-gram order in [1, {MAX_NGRAM}] or None; "
@@ -112,10 +123,11 @@ class GenerateOptions:
         if not is_integer(self.seed) or not 0 <= self.seed < 2**32:
             # jax.random.PRNGKey keeps 32 bits: a larger or negative seed would silently be another one
             raise InvalidRequestError(f"seed must be an integer in [0, 2**32); got {self.seed!r}")
-        for name in ("num_draft_tokens", "ngram_min", "ngram_max", "max_new_tokens", "seed"):
+        for name in ("ngram_min", "ngram_max", "max_new_tokens", "seed"):
             normalise(name, int(getattr(self, name)))  # numpy integers become the ints they are
-        if self.exit_layer is not None:
-            normalise("exit_layer", int(self.exit_layer))
+        for name in ("num_draft_tokens", "exit_layer"):
+            if getattr(self, name) is not None:
+                normalise(name, int(getattr(self, name)))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if stop is None:
             stop = ()
@@ -128,10 +140,14 @@ class GenerateOptions:
         if not (_is_sequence(stop_ids) and all(is_integer(t) and 0 <= t < 2**31 for t in stop_ids)):
             raise InvalidRequestError(f"stop_token_ids must be a sequence of token ids (integers >= 0); "
                                       f"got {stop_ids!r:.80}")
-        for name in ("chat", "ignore_eos"):
-            if not isinstance(getattr(self, name), bool | np.bool_):
-                raise InvalidRequestError(f"{name} must be True or False; got {getattr(self, name)!r:.40}")
-            normalise(name, bool(getattr(self, name)))
+        if self.chat is not None:
+            if not isinstance(self.chat, bool | np.bool_):
+                raise InvalidRequestError(f"chat must be True, False or None (on when the model's tokenizer has a "
+                                          f"chat template); got {self.chat!r:.40}")
+            normalise("chat", bool(self.chat))
+        if not isinstance(self.ignore_eos, bool | np.bool_):
+            raise InvalidRequestError(f"ignore_eos must be True or False; got {self.ignore_eos!r:.40}")
+        normalise("ignore_eos", bool(self.ignore_eos))
         normalise("stop_token_ids", tuple(int(t) for t in stop_ids))
         if self.kv_format is not None:
             normalise("kv_format", KVFormat.parse(self.kv_format))
@@ -223,7 +239,8 @@ class GenerateOptions:
 
     @property
     def draft_options(self) -> DraftOptions:
-        return DraftOptions(num_draft_tokens=int(self.num_draft_tokens), ngram_max=int(self.ngram_max),
+        k = DEFAULT_DRAFT_TOKENS if self.num_draft_tokens is None else self.num_draft_tokens
+        return DraftOptions(num_draft_tokens=k, ngram_max=int(self.ngram_max),
                             ngram_min=int(self.ngram_min), exit_layer=self.exit_layer,
                             draft_sampling=self.draft_sampling, tree=self.tree,
                             lookup_first=self.lookup_first)

@@ -92,7 +92,7 @@ def per_device_bytes(tree) -> dict:
 
 def compiled_loop(model: Model, draft, options: dict) -> dict:
     """What the compiled decode loop of a sharded request holds."""
-    prepared = prepare(model, PROMPTS, draft, max_new_tokens=NEW_TOKENS, **options)
+    prepared = prepare(model, draft, PROMPTS, max_new_tokens=NEW_TOKENS, **options)
     draft_inputs = prepared.speculation.draft_inputs(model)
     state = loop.prefill_jit(model.params, draft_inputs, prepared.request, spec=prepared.spec)
     hlo = loop.decode_jit.lower(model.params, draft_inputs, state, prepared.request,

@@ -2,14 +2,22 @@
 compile notice, and the Qwen3.5 hybrid under every KV format and a deep layer-skip draft."""
 
 import dataclasses
+import importlib
+import inspect
+import pathlib
+import re
+import typing
 
 import jax
 import pytest
 
 import jaxspec
-from jaxspec import compilation
+from jaxspec import api, checkpoints, compilation
 from jaxspec.models import qwen35
 from jaxspec.models.qwen35 import LayerType, Qwen35Config
+from jaxspec.tokenizer import Tokenizer
+from tests.conftest import random_drafts
+from tests.test_tokenizer import _tiny_metadata
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
@@ -24,7 +32,7 @@ def test_same_seed_same_sample(tiny_model):
 
 
 def test_stream_yields_the_same_tokens(tiny_model):
-    stream = jaxspec.stream(tiny_model, PROMPTS[2], max_new_tokens=10, ignore_eos=True)
+    stream = jaxspec.stream(tiny_model, prompt=PROMPTS[2], max_new_tokens=10, ignore_eos=True)
     streamed = list(stream)
     whole = jaxspec.generate(tiny_model, None, PROMPTS[2], max_new_tokens=10, ignore_eos=True)
     assert streamed == whole.tokens[0] == stream.result.tokens[0]
@@ -35,8 +43,8 @@ def test_stream_compiles_both_programs_before_the_first_token(tiny_model, capsys
     """On a terminal the notices go to stderr and the answer to stdout: every compile happens
     before the first token, so no notice lands inside the answer's first line."""
     capsys.readouterr()
-    tokens = iter(jaxspec.stream(tiny_model, [1, 2, 3], method="ngram", num_draft_tokens=7,  # a new k: new programs
-                                 max_new_tokens=12, ignore_eos=True))
+    tokens = iter(jaxspec.stream(tiny_model, None, [1, 2, 3], method="ngram",
+                                 num_draft_tokens=7, max_new_tokens=12, ignore_eos=True))  # a new k: new programs
     first = next(tokens)
     before_first = capsys.readouterr().err
     rest = list(tokens)
@@ -126,7 +134,121 @@ def test_a_kv_cache_larger_than_the_machine_is_refused_before_compile(tiny_model
 
 def test_stream_takes_one_prompt(tiny_model):
     with pytest.raises(jaxspec.InvalidRequestError, match="one prompt"):
-        jaxspec.stream(tiny_model, PROMPTS)
+        jaxspec.stream(tiny_model, prompt=PROMPTS)
+
+
+# ----------------------------------------------------------------------------------------------
+# One call shape: generate, stream and prepare take (model, draft_params=None, prompt, **options)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_generate_stream_and_prepare_take_the_same_arguments():
+    def head(function):  # the parameters before the options
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()][:3]
+
+    assert head(jaxspec.generate) == head(jaxspec.stream) == head(jaxspec.prepare) == [
+        ("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
+        ("draft_params", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
+        ("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, api.REQUIRED)]
+
+
+def test_the_prompt_goes_third_or_by_name_and_is_required(tiny_model):
+    by_name = jaxspec.prepare(tiny_model, prompt=[1, 2, 3], method="ngram")
+    third = jaxspec.prepare(tiny_model, None, [1, 2, 3], method="ngram")
+    assert by_name.rows == third.rows == [[1, 2, 3]]
+    for call in (jaxspec.generate, jaxspec.stream, jaxspec.prepare):
+        with pytest.raises(jaxspec.InvalidRequestError, match=r"no prompt given: pass it by name"):
+            call(tiny_model, max_new_tokens=4)
+        # The order before this API: the prompt second, where the draft goes.
+        with pytest.raises(jaxspec.InvalidRequestError, match=r"draft_params is a list, not a Model: .* third"):
+            call(tiny_model, [1, 2, 3])
+
+
+def test_chat_defaults_to_the_models_template(tiny_model):
+    """As in the CLI: a text prompt goes through the chat template when the tokenizer has one,
+    raw when it has none or with chat=False."""
+    templated = Tokenizer.from_gguf_metadata(_tiny_metadata())
+    untemplated = Tokenizer.from_gguf_metadata(
+        {k: v for k, v in _tiny_metadata().items() if k != "tokenizer.chat_template"})
+    config = dataclasses.replace(tiny_model.config, vocab_size=templated.vocab_size)  # prepare reads no weight
+    model = dataclasses.replace(tiny_model, config=config, tokenizer=templated)
+    assert jaxspec.prepare(model, prompt="hello").rows == [templated.encode_chat("hello")]
+    assert jaxspec.prepare(model, prompt="hello", chat=False).rows == [templated.encode("hello")]
+    raw = dataclasses.replace(model, tokenizer=untemplated)
+    assert jaxspec.prepare(raw, prompt="hello").rows == [untemplated.encode("hello")]
+    assert templated.encode_chat("hello") != templated.encode("hello")
+
+
+def test_a_tree_drafts_to_its_depth_and_refuses_a_num_draft_tokens(tiny_model):
+    prepared = jaxspec.prepare(tiny_model, prompt=[1, 2, 3], method="ngram", tree="3,4,12")
+    assert prepared.spec.num_draft == 3 and prepared.options.num_draft_tokens is None
+    with pytest.raises(jaxspec.InvalidRequestError, match=r"num_draft_tokens \(4\) and a tree \(3,4,12\) were both"):
+        jaxspec.prepare(tiny_model, prompt=[1, 2, 3], method="ngram", tree="3,4,12", num_draft_tokens=4)
+    assert jaxspec.prepare(tiny_model, prompt=[1, 2, 3], method="ngram").spec.num_draft == 4  # a chain's default
+
+
+def test_the_targets_own_mtp_head_is_read_once(tiny_model, monkeypatch):
+    """method="mtp" with no draft reads the head the target's checkpoint carries: once per target."""
+    head = random_drafts("mtp")["draft_params"]
+    reads = []
+    monkeypatch.setattr(checkpoints, "resolve_model", lambda source: pathlib.Path(source))
+    monkeypatch.setattr(checkpoints, "is_mtp_head_dir", lambda path: False)
+    monkeypatch.setattr(checkpoints, "has_mtp", lambda path: True)
+    monkeypatch.setattr(checkpoints, "load_mtp", lambda path: reads.append(path) or (head.config, head.params))
+    target = dataclasses.replace(tiny_model, source="target-dir")  # a Model of its own: no head read for it yet
+    for _ in range(2):
+        prepared = jaxspec.prepare(target, prompt=[1, 2, 3], method="mtp", num_draft_tokens=2)
+        assert prepared.speculation.method is jaxspec.Method.MTP and prepared.speculation.draft.config == head.config
+    assert reads == [pathlib.Path("target-dir")]
+
+
+# ----------------------------------------------------------------------------------------------
+# What a user can name: every type an option or load takes, every error raised for bad input
+# ----------------------------------------------------------------------------------------------
+
+
+def _jaxspec_classes(annotation) -> set[type]:
+    """The jaxspec classes inside a type annotation (unions and generics walked)."""
+    if isinstance(annotation, type):
+        return {annotation} if annotation.__module__.startswith("jaxspec") else set()
+    return {cls for arg in typing.get_args(annotation) for cls in _jaxspec_classes(arg)}
+
+
+def test_every_option_type_is_exported():
+    hints = [typing.get_type_hints(jaxspec.GenerateOptions)]
+    hints += [typing.get_type_hints(function) for function in
+              (jaxspec.load, jaxspec.generate, jaxspec.stream, jaxspec.prepare, jaxspec.score, jaxspec.shard)]
+    named = {cls for hint in hints for name, annotation in hint.items() if name != "return"
+             for cls in _jaxspec_classes(annotation)}
+    assert {jaxspec.KVFormat, jaxspec.Attention, jaxspec.Method, jaxspec.DraftTree, jaxspec.WeightFormat,
+            jaxspec.Products} <= named
+    for cls in named:
+        assert getattr(jaxspec, cls.__name__, None) is cls and cls.__name__ in jaxspec.__all__, cls
+
+
+def test_every_user_error_is_exported_and_every_other_exception_is_internal():
+    """Found in the source (so a new module's error is seen): every public exception class is a
+    JaxspecError exported as jaxspec.<Name>, or an internal RuntimeError (a bug, not bad input:
+    the CLI lets it keep its traceback)."""
+    package = pathlib.Path(jaxspec.__file__).parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for name in re.findall(r"^class (\w+)\(", path.read_text(encoding="utf-8"), re.MULTILINE):
+            if name.startswith("_"):
+                continue
+            module = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
+            cls = getattr(importlib.import_module(module), name)
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                found.append(cls)
+    assert {jaxspec.GrammarError, jaxspec.ShardingError} <= set(found)
+    for cls in found:
+        if issubclass(cls, jaxspec.JaxspecError):
+            assert getattr(jaxspec, cls.__name__, None) is cls and cls.__name__ in jaxspec.__all__, cls
+        else:
+            assert issubclass(cls, RuntimeError), f"{cls.__module__}.{cls.__name__} is neither"
+    from jaxspec.cache import StateRollbackError
+
+    assert StateRollbackError in found and not hasattr(jaxspec, "StateRollbackError")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,7 +281,7 @@ def test_hybrid_speculation_equals_plain_under_the_same_kv_format(hybrid, kv_for
 
 
 def test_a_hybrid_layer_skip_draft_gets_a_ring_for_its_k(hybrid):
-    prepared = jaxspec.prepare(hybrid, HYBRID_PROMPTS[0], method="layer_skip", num_draft_tokens=12)
+    prepared = jaxspec.prepare(hybrid, prompt=HYBRID_PROMPTS[0], method="layer_skip", num_draft_tokens=12)
     sized, draft = prepared.speculation.proposer.config, prepared.speculation.draft.config
     assert sized.rollback_states == 14  # k + 2: a row that already finished rolls back k + 1
     assert draft.rollback_states == HYBRID.rollback_states  # the draft Model itself is not changed

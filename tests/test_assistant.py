@@ -235,6 +235,9 @@ def test_mismatched_assistants_are_refused_before_compile(small):
         jaxspec.generate(Model(config=gemma3, params=None), helper, [[1, 2]], method="assistant")
     with pytest.raises(InvalidRequestError, match="needs draft_params: a Gemma 4 assistant"):
         jaxspec.generate(target, None, [[1, 2]], method="assistant")
+    for method in ("draft", "layer_skip"):  # a draft model's methods: refused by name, not a TypeError in the trace
+        with pytest.raises(InvalidRequestError, match=r"needs a draft model; .*\(use method='assistant'\)"):
+            jaxspec.generate(target, helper, [[1, 2]], method=method, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("change, message", [

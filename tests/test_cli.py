@@ -97,7 +97,7 @@ def test_convert_then_load_gives_identical_greedy_tokens(tiny, tiny_cache, conve
     assert source.tokenizer.encode(prompt) == [TINY_TOKENS.index(t) for t in ("tok", "1", "tok", "2")]
     tokens = {}
     for name, model in (("source", source), ("copy", copy)):
-        stream = jaxspec.stream(model, prompt, max_new_tokens=8)
+        stream = jaxspec.stream(model, prompt=prompt, chat=False, max_new_tokens=8)
         list(stream)
         tokens[name] = stream.result.tokens[0]
     assert tokens["copy"] == tokens["source"] and tokens["source"]
@@ -208,6 +208,8 @@ def test_missing_model_path(tmp_path, capsys):
         (["--method", "eagle3"], "--method eagle3 needs --draft HEAD_DIR"),
         (["--method", "draft"], "--method draft needs --draft MODEL"),
         (["--method", "ngram", "-k", "99"], "--num-draft-tokens must be an integer in [1, 32]"),
+        (["--method", "ngram", "-k", "3", "--tree", "3,4,12"],
+         "--num-draft-tokens (3) and a tree (3,4,12) were both given: a tree drafts to its depth (3)"),
         (["--method", "ngram", "--draft-sampling", "sample", "--temperature", "1"],
          "no q for --draft-sampling='sample'"),
         (["--mesh", "tensor=2"], "--mesh takes data=N,model=M"),
@@ -215,7 +217,7 @@ def test_missing_model_path(tmp_path, capsys):
         (["--num-processes", "2"], "--num-processes and --process-id go with --coordinator"),
     ],
     ids=["top-p-0", "temperature-negative", "max-new-tokens-0", "exit-layer-alone", "eagle3-without-draft",
-         "draft-without-draft", "k-too-big", "ngram-sampled-drafts", "mesh-unknown-axis", "mesh-too-big",
+         "draft-without-draft", "k-too-big", "k-and-tree", "ngram-sampled-drafts", "mesh-unknown-axis", "mesh-too-big",
          "processes-without-coordinator"],
 )
 def test_bad_generation_parameters_speak_cli(converted, capsys, flags, needle):
@@ -287,7 +289,7 @@ def test_generate_streams_text_and_one_stats_line(default_model, capsys):
     code, out, err = run(capsys, "generate", PROMPT, *SAMPLED_FLAGS)
     assert code == 0, err
     # stdout is the completion itself, what stream() yields; the chat template is on by default.
-    want = "".join(jaxspec.stream(default_model, PROMPT, chat=True, **SAMPLED))
+    want = "".join(jaxspec.stream(default_model, prompt=PROMPT, chat=True, **SAMPLED))
     assert out == want and want.strip()
     [line] = stats_lines(err)
     assert err.rstrip("\n").splitlines()[-1] == line, err
@@ -316,8 +318,8 @@ def test_no_chat_passes_the_prompt_through(default_model, capsys):
     assert code == 0, err
     [line] = stats_lines(err)
     assert int(STATS.match(line).group(4)) == len(chat_ids)
-    assert out == "".join(jaxspec.stream(default_model, rendered, chat=False, **SAMPLED))
-    assert out == "".join(jaxspec.stream(default_model, PROMPT, chat=True, **SAMPLED))
+    assert out == "".join(jaxspec.stream(default_model, prompt=rendered, chat=False, **SAMPLED))
+    assert out == "".join(jaxspec.stream(default_model, prompt=PROMPT, chat=True, **SAMPLED))
 
 
 @requires_default_model

@@ -352,12 +352,12 @@ def test_logprobs_see_the_mask(target):
 ])
 def test_bad_grammars_are_refused_before_anything_compiles(target, options, message):
     with pytest.raises(jaxspec.InvalidRequestError, match=message):
-        jaxspec.prepare(target, PROMPTS, **options)
+        jaxspec.prepare(target, prompt=PROMPTS, **options)
 
 
 def test_a_grammar_needs_a_tokenizer(tiny_model):
     with pytest.raises(jaxspec.InvalidRequestError, match="needs the model's tokenizer"):
-        jaxspec.prepare(tiny_model, [[1, 2]], regex="a+")
+        jaxspec.prepare(tiny_model, prompt=[[1, 2]], regex="a+")
 
 
 def test_cli_reads_a_json_schema_file_and_refuses_a_missing_one(tmp_path, capsys):

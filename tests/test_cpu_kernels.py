@@ -326,15 +326,14 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42, 40, 41, 42], [9
 @pytest.mark.parametrize("method", ["ngram", "draft", "layer_skip", "eagle3", "mtp", "ngram-tree", "draft-tree"])
 def test_speculation_on_native_products_equals_plain_greedy_without_padding(native_target, method):
     plain = jaxspec.generate(native_target, None, PROMPTS, max_new_tokens=20, ignore_eos=True)
-    tree = (3, 2, 6) if method.endswith("-tree") else None
+    length = dict(tree=(3, 2, 6)) if method.endswith("-tree") else dict(num_draft_tokens=3)  # a tree: its depth
     options = random_drafts(method.removesuffix("-tree"))
-    spec = jaxspec.generate(native_target, prompt=PROMPTS, max_new_tokens=20, ignore_eos=True, num_draft_tokens=3,
-                            tree=tree, **options)
+    spec = jaxspec.generate(native_target, prompt=PROMPTS, max_new_tokens=20, ignore_eos=True, **length, **options)
     assert spec.tokens == plain.tokens
     assert spec.stats.proposed > 0
     draft = options.get("draft_params")
     if draft is not None:  # a draft in AUTO runs on its target's backend
-        prepared = jaxspec.prepare(native_target, PROMPTS[0], draft, max_new_tokens=4)
+        prepared = jaxspec.prepare(native_target, draft, PROMPTS[0], max_new_tokens=4)
         assert prepared.speculation.draft.products.name is Products.NATIVE
 
 

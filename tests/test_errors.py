@@ -17,7 +17,7 @@ def all_subclasses(cls: type) -> list[type]:
     return [sub for direct in cls.__subclasses__() for sub in (direct, *all_subclasses(direct))]
 
 
-# `import jaxspec` has imported every module that defines one (cache.StateRollbackError too).
+# `import jaxspec` has imported every module that defines one (grammar.GrammarError, sharding.ShardingError).
 ALL_ERRORS = sorted(set(ERRORS_MODULE_CLASSES) | set(all_subclasses(errors.JaxspecError)), key=lambda cls: cls.__name__)
 
 

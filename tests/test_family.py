@@ -99,12 +99,12 @@ def test_registry_dispatch():
         models.family_for_gguf("gpt2", "x.gguf")
     with pytest.raises(UnsupportedModelError, match="'nope'"):
         models.family_named("nope")
-    with pytest.raises(TypeError, match="dict"):
+    with pytest.raises(UnsupportedModelError, match="no trunk family registered for config type dict"):
         models.family_of({})
 
 
 def test_a_family_that_claims_a_registered_model_type_is_refused():
     clash = dataclasses.replace(qwen35.FAMILY, name="other", config_class=dict, hf_model_types=("llama",))
-    with pytest.raises(ValueError, match="overlaps the registered 'llama'"):
+    with pytest.raises(RuntimeError, match="overlaps the registered 'llama'"):  # a registry bug, not bad input
         models.register_family(clash)
     assert "other" not in models.FAMILIES

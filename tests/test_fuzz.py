@@ -828,14 +828,15 @@ def test_generate_arguments(request_models, prompt, options, draft):
     model, drafts = request_models
     options = dict(options)
     draft_params = options.pop("draft_params", drafts[draft])
-    prepared = outcome("generate arguments", lambda: prepare(model, prompt, draft_params, **options))
+    prepared = outcome("generate arguments", lambda: prepare(model, draft_params, prompt, **options))
     if prepared is not None:
         # What prepare accepts is what runs: rows of in-vocabulary ints, options normalised to the
         # Python types the compiled program is keyed on.
         assert all(isinstance(t, int) and 0 <= t < model.config.vocab_size for row in prepared.rows for t in row)
         hash(prepared.spec)
-        for name in ("num_draft_tokens", "max_new_tokens", "seed"):
+        for name in ("max_new_tokens", "seed"):
             assert type(getattr(prepared.options, name)) is int
+        assert prepared.options.num_draft_tokens is None or type(prepared.options.num_draft_tokens) is int
         # And what prepare accepts traces: both programs, abstractly (no compile), so a request that
         # would only fail inside jit (a head given to method='draft') cannot pass as accepted.
         args = (model.params, prepared.speculation.draft_inputs(model))
@@ -857,14 +858,14 @@ def test_per_row_sampling_lists(request_models, name, rows, length, nested_list)
     value = [values] if nested_list else values
     prompts = [[3, 4, 5]] * rows
     if length == rows and not nested_list:
-        prepared = prepare(model, prompts, None, **{name: value})
+        prepared = prepare(model, None, prompts, **{name: value})
         args = (model.params, prepared.speculation.draft_inputs(model))
         jax.eval_shape(lambda: loop.prefill_jit(*args, prepared.request, spec=prepared.spec))
         return
     needle = (rf"{name} must be one number, or a flat sequence" if nested_list
               else rf"{name} has {length} per-row values for {rows} prompt")
     with pytest.raises(JaxspecError, match=needle):
-        prepare(model, prompts, None, **{name: value})
+        prepare(model, None, prompts, **{name: value})
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp", "assistant"])
@@ -885,7 +886,7 @@ def test_a_draft_head_passed_as_the_target_is_refused_by_name(tiny_model, kind, 
         head = random_drafts(kind)["draft_params"]
     name = {"eagle3": "an EAGLE-3 draft head", "mtp": "an MTP draft head", "assistant": "a shared-KV assistant draft"}
     run = {"generate": lambda: jaxspec.generate(head, None, [[3, 4]], max_new_tokens=2),
-           "stream": lambda: list(jaxspec.stream(head, [3, 4], max_new_tokens=2)),
+           "stream": lambda: list(jaxspec.stream(head, prompt=[3, 4], max_new_tokens=2)),
            "score": lambda: jaxspec.score(head, [[3, 4, 5]])}[call]
     with pytest.raises(JaxspecError, match=f"this is {name[kind]}.*pass it as draft_params beside its target"):
         run()

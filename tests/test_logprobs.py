@@ -145,7 +145,8 @@ def test_logprobs_follow_the_processors(tiny_model, method):
 
 
 def test_stream_reports_the_same_logprobs(tiny_model, plain):
-    stream = jaxspec.stream(tiny_model, PROMPTS[0], max_new_tokens=NEW, ignore_eos=True, logprobs=4, method="ngram")
+    stream = jaxspec.stream(tiny_model, None, PROMPTS[0], max_new_tokens=NEW, ignore_eos=True, logprobs=4,
+                            method="ngram")
     assert list(stream) == plain.tokens[0]
     np.testing.assert_allclose(_chosen(stream.result, 0), _chosen(plain, 0), **TOLERANCE)
 

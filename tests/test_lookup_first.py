@@ -213,7 +213,8 @@ def test_the_cli_drafts_lookup_first_and_says_so(tiny, tiny_cache, tmp_path, cap
                               aux_layer_ids=(0, 1, 1))
     checkpoints.save_eagle3(tmp_path, cfg, eagle3.init_params(cfg, jax.random.PRNGKey(4), scale=0.2))
     prompt = "tok1tok2tok1tok2"
-    expected = jaxspec.generate(model, jaxspec.load(str(tmp_path)), prompt, max_new_tokens=12, lookup_first=2)
+    expected = jaxspec.generate(model, jaxspec.load(str(tmp_path)), prompt, max_new_tokens=12, lookup_first=2,
+                                chat=False)  # the CLI's --no-chat
     code, out, err = run(capsys, "generate", prompt, "--no-chat", "--max-new-tokens", "12", "--model",
                          str(tiny["gguf"]), "--draft", str(tmp_path), "--lookup-first", "2")
     assert code == 0, err

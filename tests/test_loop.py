@@ -67,7 +67,7 @@ def test_eos_stops_a_row_and_keeps_the_eos(tiny_model, free_running):
 def test_multi_token_stop_sequence_on_device(tiny_model, free_running):
     free = free_running[0]
     sequence = tuple(free[6:9])
-    prepared = jaxspec.prepare(tiny_model, PROMPTS[0], max_new_tokens=20, ignore_eos=True)
+    prepared = jaxspec.prepare(tiny_model, prompt=PROMPTS[0], max_new_tokens=20, ignore_eos=True)
     spec = dataclasses.replace(prepared.spec, stop_sequences=(sequence,))
     state = loop.run_jit(tiny_model.params, None, prepared.request, spec=spec)
     end = next(i for i in range(2, 20) if tuple(free[i - 2:i + 1]) == sequence)
@@ -87,7 +87,7 @@ def test_rows_finish_independently(tiny_model, free_running):
 
 
 def test_prefill_then_decode_equals_one_program(tiny_model):
-    prepared = jaxspec.prepare(tiny_model, PROMPTS, max_new_tokens=12, ignore_eos=True)
+    prepared = jaxspec.prepare(tiny_model, prompt=PROMPTS, max_new_tokens=12, ignore_eos=True)
     args = (tiny_model.params, None)
     whole = loop.run_jit(*args, prepared.request, spec=prepared.spec)
     state = loop.prefill_jit(*args, prepared.request, spec=prepared.spec)
@@ -99,7 +99,7 @@ def test_prefill_then_decode_equals_one_program(tiny_model):
 
 def test_stream_step_reports_exactly_the_tokens_it_committed(tiny_model, free_running):
     """The streaming round hands the host only the round's tokens; together they are the output."""
-    prepared = jaxspec.prepare(tiny_model, PROMPTS, tiny_model, max_new_tokens=20, ignore_eos=True,
+    prepared = jaxspec.prepare(tiny_model, tiny_model, PROMPTS, max_new_tokens=20, ignore_eos=True,
                                num_draft_tokens=3)
     args = (tiny_model.params, prepared.speculation.draft_inputs(tiny_model))
     state = loop.prefill_jit(*args, prepared.request, spec=prepared.spec)
@@ -147,7 +147,7 @@ def test_every_engine_program_traces_float32_products_at_full_precision_on_a_gpu
     from jaxspec import compilation
 
     score = importlib.import_module("jaxspec.score")  # the module, not jaxspec.score the function
-    prepared = jaxspec.prepare(tiny_model, PROMPTS, tiny_model, max_new_tokens=4, ignore_eos=True,
+    prepared = jaxspec.prepare(tiny_model, tiny_model, PROMPTS, max_new_tokens=4, ignore_eos=True,
                                num_draft_tokens=2)
     args = (tiny_model.params, prepared.speculation.draft_inputs(tiny_model))
 
@@ -184,7 +184,7 @@ def test_a_batch_of_one_writes_its_kv_cache_in_place(tiny_model, draft):
     from tests.conftest import ENGINE_COMPILER_OPTIONS
 
     options = dict(num_draft_tokens=2) if draft else {}
-    prepared = jaxspec.prepare(tiny_model, [[5, 6, 7]], tiny_model if draft else None, max_new_tokens=4,
+    prepared = jaxspec.prepare(tiny_model, tiny_model if draft else None, [[5, 6, 7]], max_new_tokens=4,
                                ignore_eos=True, **options)
     args = (tiny_model.params, prepared.speculation.draft_inputs(tiny_model))
     state = jax.eval_shape(lambda: loop.prefill_jit(*args, prepared.request, spec=prepared.spec))

@@ -31,7 +31,7 @@ def test_the_method_is_inferred_from_the_draft(tiny_model):
 
 
 def test_a_layer_skip_draft_passed_as_draft_params_reports_layer_skip(tiny_model):
-    prepared = jaxspec.prepare(tiny_model, [1, 2, 3], jaxspec.layer_skip(tiny_model, 1))
+    prepared = jaxspec.prepare(tiny_model, jaxspec.layer_skip(tiny_model, 1), [1, 2, 3])
     assert prepared.speculation.method is Method.LAYER_SKIP
     assert prepared.speculation.proposer.name == "layer_skip"
     draft_inputs = prepared.speculation.draft_inputs(tiny_model)

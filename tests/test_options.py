@@ -16,7 +16,8 @@ from jaxspec.spec.methods import Method
 
 def test_defaults_are_normalised():
     options = GenerateOptions()
-    assert options.method is None and options.num_draft_tokens == 4 and options.max_new_tokens == 128
+    assert options.method is None and options.num_draft_tokens is None and options.max_new_tokens == 128
+    assert options.draft_options.num_draft_tokens == 4 and options.chat is None  # a chain of 4; the model's template
     assert options.attention is Attention.AUTO and options.stop == () and options.stop_token_ids == ()
     assert options.sampler.greedy and not options.sampler.top_p
 
@@ -32,7 +33,7 @@ def test_the_cli_takes_its_defaults_from_the_options():
     defaults = vars(cli.build_parser().parse_args(["generate", "hi"]))
     options = GenerateOptions()
     for name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                 "num_draft_tokens"):
+                 "num_draft_tokens", "chat"):
         assert defaults[name] == getattr(options, name), name
     assert defaults["attention"] == options.attention.value
 
@@ -40,8 +41,8 @@ def test_the_cli_takes_its_defaults_from_the_options():
 def test_every_option_is_a_keyword(tiny_model):
     """generate and stream hand their keywords to `prepare`, which builds the options from them."""
     every = {field.name: getattr(GenerateOptions(), field.name) for field in dataclasses.fields(GenerateOptions)}
-    assert jaxspec.prepare(tiny_model, [1, 2], **every).options == GenerateOptions()
-    assert jaxspec.prepare(tiny_model, [1, 2], **{**every, "max_new_tokens": 7}).options.max_new_tokens == 7
+    assert jaxspec.prepare(tiny_model, prompt=[1, 2], **every).options == GenerateOptions()
+    assert jaxspec.prepare(tiny_model, prompt=[1, 2], **{**every, "max_new_tokens": 7}).options.max_new_tokens == 7
 
 
 @pytest.mark.parametrize(
@@ -64,7 +65,8 @@ def test_every_option_is_a_keyword(tiny_model):
         (dict(stop_token_ids=1), "stop_token_ids must be a sequence of token ids"),
         (dict(stop=5), "stop must be a non-empty string or a sequence of them"),
         (dict(stop=["ok", "x\udcff"]), "stop string 1 holds .* at index 1, a lone surrogate"),
-        (dict(chat="yes"), "chat must be True or False"),
+        (dict(chat="yes"), "chat must be True, False or None"),
+        (dict(tree="3,4,12", num_draft_tokens=3), r"num_draft_tokens \(3\) and a tree \(3,4,12\) were both given"),
         (dict(ignore_eos=1), "ignore_eos must be True or False"),
         (dict(kv_format="q3"), "q3"),
         (dict(attention="fast"), "fast"),

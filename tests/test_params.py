@@ -84,7 +84,7 @@ def test_family_axes_come_from_the_types_whatever_the_leaves(name):
 
 
 def test_logical_axes_names_what_it_cannot_walk():
-    with pytest.raises(TypeError, match="dict is not a params dataclass"):
+    with pytest.raises(InvalidRequestError, match="dict is not a params dataclass"):
         logical_axes({"embed": np.zeros((2, 2))})
 
 

@@ -53,7 +53,7 @@ def test_draft_model_proposes_its_own_argmax_chain(tiny_model):
     """A draft equal to the target, primed on a prompt, drafts the target's greedy continuation."""
     prompt = [5, 6, 7, 8]
     continuation = generate(tiny_model, None, prompt, max_new_tokens=4, ignore_eos=True).tokens[0]
-    prepared = prepare(tiny_model, prompt, tiny_model, num_draft_tokens=3, max_new_tokens=4, ignore_eos=True)
+    prepared = prepare(tiny_model, tiny_model, prompt, num_draft_tokens=3, max_new_tokens=4, ignore_eos=True)
     proposer = prepared.speculation.proposer
     state = loop.prefill_jit(tiny_model.params, tiny_model.params, prepared.request, spec=prepared.spec)
     proposal, _ = jax.jit(proposer.propose)(tiny_model.params, state.proposer_state, state.context)

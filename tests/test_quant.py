@@ -297,10 +297,10 @@ def test_a_draft_loaded_in_auto_runs_in_its_target_s_format(tiny_model):
     target = jaxspec.convert_weights(tiny_model, "int8")
     draft_cfg = dataclasses.replace(TINY, num_layers=1)
     draft = jaxspec.Model(config=draft_cfg, params=llama.init_params(draft_cfg, jax.random.PRNGKey(7), scale=0.2))
-    prepared = jaxspec.prepare(target, [1, 2, 3], draft, max_new_tokens=4)
+    prepared = jaxspec.prepare(target, draft, [1, 2, 3], max_new_tokens=4)
     assert quant.format_of(prepared.speculation.draft.params) is WeightFormat.INT8
     explicit = jaxspec.convert_weights(draft, "f32")  # a format asked for is kept
-    prepared = jaxspec.prepare(target, [1, 2, 3], explicit, max_new_tokens=4)
+    prepared = jaxspec.prepare(target, explicit, [1, 2, 3], max_new_tokens=4)
     assert quant.format_of(prepared.speculation.draft.params) is WeightFormat.F32
 
 

@@ -93,7 +93,7 @@ def test_chat_answer_is_sensible_and_stops_at_end_of_turn(model):
 
 
 def test_stream_text_equals_generate_text(model):
-    stream = jaxspec.stream(model, "Count from one to five in words.", chat=True, max_new_tokens=24)
+    stream = jaxspec.stream(model, prompt="Count from one to five in words.", chat=True, max_new_tokens=24)
     streamed = "".join(stream)
     whole = jaxspec.generate(model, None, "Count from one to five in words.", chat=True, max_new_tokens=24)
     assert streamed == whole.text[0] == stream.result.text[0]

@@ -91,7 +91,7 @@ def test_random_draft_is_still_exact_with_low_acceptance(tiny_model, draft_model
 def test_stream_works_with_every_method(tiny_model, draft_model):
     reference = _plain(tiny_model, PROMPTS[0], 20, ignore_eos=True).tokens[0]
     for method in ("ngram", "draft", "layer_skip"):
-        stream = jaxspec.stream(tiny_model, PROMPTS[0], max_new_tokens=20, ignore_eos=True, num_draft_tokens=3,
+        stream = jaxspec.stream(tiny_model, prompt=PROMPTS[0], max_new_tokens=20, ignore_eos=True, num_draft_tokens=3,
                                 **_method_kwargs(method, tiny_model, draft_model))
         assert list(stream) == reference == stream.result.tokens[0]
         assert stream.result.stats.method == method

@@ -69,9 +69,10 @@ def exact_joint(model, settings, prompt=PROMPT) -> np.ndarray:
 def sampled_joint(model, draft_model, settings, prompt=PROMPT, **method) -> tuple[np.ndarray, jaxspec.SpecStats]:
     V = model.config.vocab_size
     counts = np.zeros((V, V, V), np.int64)
+    length = {} if "tree" in method else dict(num_draft_tokens=2)  # a tree drafts to its depth
     for seed in range(SEEDS):
         result = jaxspec.generate(model, draft_model, [prompt] * ROWS, max_new_tokens=3, ignore_eos=True,
-                                  num_draft_tokens=2, seed=seed, **settings, **method)
+                                  seed=seed, **length, **settings, **method)
         tokens = np.asarray(result.tokens)
         np.add.at(counts, (tokens[:, 0], tokens[:, 1], tokens[:, 2]), 1)
     return counts, result.stats

@@ -203,9 +203,10 @@ def test_stream_and_the_cli_give_generates_text_and_the_tree_stats(tiny, tiny_ca
     """A tokenizer model: stream() yields generate()'s text, and the CLI prints that text and a
     stats line naming the tree and the rounds by accepted depth."""
     model = jaxspec.load(str(tiny["gguf"]))
-    prompt, options = "tok1tok2", dict(method="layer_skip", tree=BUSHY, max_new_tokens=12)
+    # chat=False: the CLI's --no-chat below.
+    prompt, options = "tok1tok2", dict(method="layer_skip", tree=BUSHY, max_new_tokens=12, chat=False)
     expected = jaxspec.generate(model, None, prompt, **options)
-    stream = jaxspec.stream(model, prompt, **options)
+    stream = jaxspec.stream(model, prompt=prompt, **options)
     assert "".join(stream) == expected.text[0] and expected.text[0]
     assert stream.result.tokens == expected.tokens
     assert stream.result.stats.accepted_depths == expected.stats.accepted_depths
@@ -249,7 +250,7 @@ def test_bad_tree_requests_fail_before_compile(tiny_model, kwargs, message):
 
 def test_a_chain_fits_where_the_tree_overflows(tiny_model):
     """The context refusal above is the tree's: the same request with a chain of 4 is prepared."""
-    prepared = jaxspec.prepare(tiny_model, PROMPTS[0], method="ngram", num_draft_tokens=4, max_new_tokens=235)
+    prepared = jaxspec.prepare(tiny_model, prompt=PROMPTS[0], method="ngram", num_draft_tokens=4, max_new_tokens=235)
     assert prepared.spec.tree is None and prepared.spec.num_draft == 4
 
 

@@ -93,14 +93,20 @@ def to_jax(params: Any) -> Any:
 @contextlib.contextmanager
 def config_values_checked(source: Any):
     """Turn what a config parse raises on a value of the wrong type or range (int("abc"), a
-    division by a zero head count, a list where a dict belongs) into a CheckpointError naming
-    `source`; a config jaxspec refuses (UnsupportedModelError: a zero size, a NaN theta, an
-    unknown RoPE type) is re-raised with `source` named; other jaxspec errors pass through."""
+    division by a zero head count, a list where a dict belongs, the parse's own CheckpointError
+    for "32" where an integer belongs: `config.count`) into a CheckpointError naming `source`; a
+    config jaxspec refuses (UnsupportedModelError: a zero size, a NaN theta, an unknown RoPE type)
+    is re-raised with `source` named; other jaxspec errors pass through."""
     try:
         yield
     except UnsupportedModelError as err:
         message = str(err)
         raise UnsupportedModelError(message if message.startswith(f"{source}:") else f"{source}: {message}") from None
+    except CheckpointError as err:
+        message = str(err)
+        if str(source) in message:  # a refusal that names its file already
+            raise
+        raise CheckpointError(f"{source}: a config value has the wrong type or range ({message})") from None
     except JaxspecError:
         raise
     except (TypeError, ValueError, ArithmeticError, KeyError, IndexError, AttributeError) as err:

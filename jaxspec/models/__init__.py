@@ -30,12 +30,13 @@ FAMILIES: dict[str, Family] = {}  # family name -> descriptor, in registration o
 
 
 def register_family(family: Family) -> None:
-    """Add a trunk family; its name, config class, HF model_types and GGUF architectures must be new."""
+    """Add a trunk family; its name, config class, HF model_types and GGUF architectures must be new
+    (a clash is a bug in the registry, not bad input: RuntimeError)."""
     for other in FAMILIES.values():
         claimed = (set(family.hf_model_types) & set(other.hf_model_types)
                    | set(family.gguf_architectures) & set(other.gguf_architectures))
         if family.name == other.name or family.config_class is other.config_class or claimed:
-            raise ValueError(f"family {family.name!r} overlaps the registered {other.name!r}")
+            raise RuntimeError(f"family {family.name!r} overlaps the registered {other.name!r}")
     FAMILIES[family.name] = family
 
 
@@ -45,11 +46,12 @@ register_family(gemma.FAMILY)
 
 
 def family_of(cfg: Any) -> Family:
-    """The family whose config class `cfg` is (exact type: a subclass is a different family)."""
+    """The family whose config class `cfg` is (exact type: a subclass is a different family);
+    UnsupportedModelError for any other config (a draft head's is not a trunk's)."""
     for family in FAMILIES.values():
         if type(cfg) is family.config_class:
             return family
-    raise TypeError(f"no trunk family registered for config type {type(cfg).__name__}")
+    raise UnsupportedModelError(f"no trunk family registered for config type {type(cfg).__name__}")
 
 
 def family_named(name: str) -> Family:

@@ -38,7 +38,7 @@ from flax import struct
 from jaxspec.cache import KVCache
 from jaxspec.config import (ModelConfig, RopeScaling, _rope_settings, check_sizes_and_numerics, count, real,
                             resolve_rotary_dim)
-from jaxspec.errors import UnsupportedModelError
+from jaxspec.errors import CheckpointError, UnsupportedModelError
 from jaxspec.models.layers import (
     AttentionParams,
     MlpParams,
@@ -154,10 +154,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> Eagle3Config:
         theta, scaling = _rope_settings(hf)
         eagle = hf.get("eagle_config") or {}
         if not isinstance(eagle, Mapping):
-            raise TypeError(f"eagle_config must be an object; got {eagle!r:.40}")
+            raise CheckpointError(f"eagle_config must be an object; got {eagle!r:.40}")
         aux = eagle.get("eagle_aux_hidden_state_layer_ids")
         if aux is not None and not isinstance(aux, list):
-            raise TypeError(f"eagle_aux_hidden_state_layer_ids must be a list of layer ids; got {aux!r:.40}")
+            raise CheckpointError(f"eagle_aux_hidden_state_layer_ids must be a list of layer ids; got {aux!r:.40}")
         vocab = count(hf["vocab_size"])
         return Eagle3Config(
             dim=dim, num_heads=num_heads, num_kv_heads=count(hf.get("num_key_value_heads") or num_heads),

@@ -3,8 +3,8 @@
 Every trunk and head declares its params as frozen pytree dataclasses (`LlamaParams`,
 `Qwen35Params`, `Eagle3Params`, `MtpParams`, and the blocks they share: `AttentionParams`,
 `MlpParams`, `DeltaNetParams`). A field that holds an array is declared with `param(axes=...)`:
-one logical axis name per dimension, read by `logical_axes`, so a sharding rule (DESIGN.md
-contract 8) maps names to mesh axes without any model knowing about meshes. A field declared
+one logical axis name per dimension, read by `logical_axes`, so a sharding rule (docs/design.md,
+"Sharding") maps names to mesh axes without any model knowing about meshes. A field declared
 plainly (`layers`, a nested block) is structure: `logical_axes` walks into it.
 
 Logical axis names: "vocab", "embed", "heads", "kv_heads", "ffn", and None (replicated; e.g.
@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from flax import struct
+
+from jaxspec.errors import InvalidRequestError
 
 Axes = tuple[str | None, ...]
 
@@ -72,7 +74,8 @@ def logical_axes(tree: Any) -> Any:
         return type(tree)(logical_axes(item) for item in tree)
     if tree is None:
         return None
-    raise TypeError(f"{type(tree).__name__} is not a params dataclass or a sequence of them")
+    raise InvalidRequestError(f"{type(tree).__name__} is not a params dataclass or a sequence of them: a Model's "
+                              "params come from jaxspec.load or a family's init_params")
 
 
 # A param's value given its name and layer index (None for the trunk-level params).

@@ -173,7 +173,7 @@ def _draft_model(method: Method, target: Model, draft: Model, options: DraftOpti
     if not isinstance(draft, Model):
         raise InvalidRequestError(
             f"draft_params must be a jaxspec Model (from jaxspec.load); got {type(draft).__name__}")
-    if isinstance(draft.config, (eagle3.Eagle3Config, mtp.MtpConfig)):
+    if isinstance(draft.config, (eagle3.Eagle3Config, mtp.MtpConfig, assistant.AssistantConfig)):
         raise InvalidRequestError(f"method={method.value!r} needs a draft model; this draft is a "
                                   f"{Method.infer(draft).value} head (use method={Method.infer(draft).value!r})")
     if draft.config.vocab_size != target.config.vocab_size:
