@@ -209,8 +209,10 @@ STEP_AND_VERIFY_CONTINUATION = [791, 4189, 10936, 28, 549, 1010, 622, 253]
 
 @pytest.fixture(scope="module")
 def default_int8():
-    """The default model under int8 (loaded once for the module's tests that read it)."""
-    return jaxspec.load(weight_format="int8")
+    """The default model's first 4 layers under int8 (loaded once for the module's tests that read
+    it): its own int8 weights and shapes, final norm and head, so every op the 30 layers run, at a
+    seventh of the compile. What these tests claim depends on the forward's width, not its depth."""
+    return jaxspec.layer_skip(jaxspec.load(weight_format="int8"), 4)
 
 
 def _step_and_verify_logits(model, prompt, continuation, batch: int = 1):
@@ -253,9 +255,9 @@ def test_logits_are_bitwise_the_same_in_a_step_and_inside_a_verify(fmt):
 @requires_default_model
 @pytest.mark.real_model
 def test_int8_on_the_default_model_is_bitwise_across_widths_and_speculation_is_exact(default_int8):
-    """The default model under int8: padded to TOKEN_LANES (without it an ulp of float work flips
-    an int8 rounding and logits move by up to 1.0), a step and a verify agree bitwise, and
-    speculative greedy output equals plain greedy."""
+    """The default model under int8 (its first 4 layers: see the fixture): padded to TOKEN_LANES
+    (without it an ulp of float work flips an int8 rounding and logits move by up to 1.0), a step
+    and a verify agree bitwise, and speculative greedy output equals plain greedy."""
     model = default_int8
     prompt = model.tokenizer.encode(STEP_AND_VERIFY_TEXT)
     logits = _step_and_verify_logits(model, prompt, STEP_AND_VERIFY_CONTINUATION)
@@ -280,13 +282,12 @@ def test_int8_at_batch_32_is_bitwise_in_a_step_and_inside_a_verify(default_int8)
     prompt lookup left plain greedy in 54 of 64 rows at batch 64. `feature_sum` adds
     elementwise, the same at every width. (Batch 8, 8 against 64 tokens, passed as well.)
 
-    The width is what matters here, not the depth: the default model's first 4 layers (its own
-    int8 weights and shapes, its final norm and head) run every op the 30 do, at a seventh of the
-    compile. The forwards compile under XLA's default flags, as the engine's do: under the
-    suite's (conftest) the last layer fuses into the head differently with the depth, and cuts
-    of 2 (one machine) or 4 and 6 layers (an AMD EPYC, Zen 2) parted by an ulp at width 160.
-    The same machine parted here with cache-major attention scores (tests/test_flash_decode.py)."""
-    model = jaxspec.layer_skip(default_int8, 4)
+    The width is what matters here, not the depth (the fixture's 4-layer cut). The forwards
+    compile under XLA's default flags, as the engine's do: under the suite's (conftest) the last
+    layer fuses into the head differently with the depth, and cuts of 2 (one machine) or 4 and 6
+    layers (an AMD EPYC, Zen 2) parted by an ulp at width 160. The same machine parted here with
+    cache-major attention scores (tests/test_flash_decode.py)."""
+    model = default_int8
     prompt = model.tokenizer.encode(STEP_AND_VERIFY_TEXT)
     logits = _step_and_verify_logits(model, prompt, STEP_AND_VERIFY_CONTINUATION, batch=32)
     for t in (1, 5):
