@@ -30,6 +30,8 @@ from jaxspec import models
 from jaxspec.models import gated_deltanet, llama, qwen35, quant
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
+_llama_forward = jax.jit(llama.forward, static_argnums=1)
+_any_forward = jax.jit(models.forward, static_argnums=1)
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +139,8 @@ def test_repeated_kv_heads_are_the_same_function():
     params = llama.init_params(cfg, jax.random.PRNGKey(0), scale=0.2)
     tokens = jnp.asarray([[1, 5, 9, 2, 7, 3]], jnp.int32)
 
-    def logits(cfg, params):
-        out, _, _ = llama.forward(params, cfg, tokens, KVCache.create(cfg, 1, 8))
+    def logits(cfg, params):  # one jit per config (eager, each op compiled alone: ~250 compiles)
+        out, _, _ = _llama_forward(params, cfg, tokens, KVCache.create(cfg, 1, 8))
         return np.asarray(out)
 
     # The same function, not the same program: the narrow model's fused q/k/v product and the
@@ -229,10 +231,10 @@ def test_deltanet_channels_grouped_by_key_head_are_the_same_function():
     assert sorted(order.tolist()) == list(range(cfg.conv_dim)) and order.tolist() != list(range(cfg.conv_dim))
     tokens = jnp.asarray([[3, 9, 1, 7, 12, 5]], jnp.int32)
 
-    def run(params):
+    def run(params):  # jitted (eager, each op compiled alone: ~450 compiles)
         cache = models.create_cache(cfg, 1, 16)
-        prefill, _, cache = models.forward(params, cfg, tokens[:, :5], cache)
-        step, _, _ = models.forward(params, cfg, tokens[:, 5:], cache.set_length(jnp.asarray([5], jnp.int32)))
+        prefill, _, cache = _any_forward(params, cfg, tokens[:, :5], cache)
+        step, _, _ = _any_forward(params, cfg, tokens[:, 5:], cache.set_length(jnp.asarray([5], jnp.int32)))
         return np.asarray(prefill), np.asarray(step)
 
     for ours, reference in zip(run(grouped), run(params)):
