@@ -31,6 +31,11 @@ MELLUM = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 SEQUENCE = [5, 17, 42, 8, 91, 33, 60, 2, 77, 14, 50, 23]
 PROMPTS = [[3, 9, 27, 81, 50], [11, 4, 65, 20, 88, 7, 40, 12, 29], [70, 1, 36]]
 
+# The trunk's and the head's forwards jitted once for the module (eager, each op compiles alone:
+# ~300 compiles a test).
+_llama_forward = jax.jit(llama.forward, static_argnums=1, static_argnames=("hidden_layers",))
+_mtp_forward = jax.jit(mtp.forward, static_argnums=1)
+
 # transformers' MtpModel names -> the Mellum / Qwen3-Next checkpoint layout (the `mtp.` tree)
 _TO_MTP_TREE = {"layers.0.enorm.": "mtp.pre_fc_norm_embedding.", "layers.0.hnorm.": "mtp.pre_fc_norm_hidden.",
                 "layers.0.eh_proj.": "mtp.fc.", "layers.0.post_norm.": "mtp.norm.",
@@ -113,8 +118,8 @@ def test_mellum_trunk_matches_transformers(hf_models, target):
     assert target.config.qk_norm and target.config.rope_theta == 500000.0
     with torch.no_grad():
         expected = model(torch.tensor([SEQUENCE])).logits.numpy()
-    logits, _, _ = llama.forward(target.params, target.config, jnp.asarray([SEQUENCE]),
-                                 KVCache.create(target.config, 1, 32))
+    logits, _, _ = _llama_forward(target.params, target.config, jnp.asarray([SEQUENCE]),
+                                  KVCache.create(target.config, 1, 32))
     assert max_relative_error(logits, expected) <= 1e-4
 
 
@@ -154,18 +159,18 @@ def test_head_logits_match_mtp_model_over_chained_steps(hf_models, target, head)
             token = expected[-1][-1].argmax()
 
     cfg = target.config
-    _, (features,), _ = llama.forward(target.params, cfg, jnp.asarray([SEQUENCE]), KVCache.create(cfg, 1, 32),
-                                      hidden_layers=(cfg.num_layers,))
+    _, (features,), _ = _llama_forward(target.params, cfg, jnp.asarray([SEQUENCE]), KVCache.create(cfg, 1, 32),
+                                       hidden_layers=(cfg.num_layers,))
     np.testing.assert_allclose(features, hidden.numpy(), rtol=1e-4, atol=1e-5)
     embed, lm_head = target.params.embed, target.params.lm_head
     cache = mtp.create_cache(head.config, 1, 32)
-    logits, g, cache = mtp.forward(head.params, head.config, embed, lm_head, jnp.asarray([SEQUENCE[1:]]),
-                                   features[:, :-1], cache)
+    logits, g, cache = _mtp_forward(head.params, head.config, embed, lm_head, jnp.asarray([SEQUENCE[1:]]),
+                                    features[:, :-1], cache)
     ours = [logits[0]]
     cache = cache.advance(jnp.array([n - 1]))
     g, token = g[:, -1:], int(jnp.argmax(logits[0, -1]))
     for _ in range(2):
-        logits, g, cache = mtp.forward(head.params, head.config, embed, lm_head, jnp.array([[token]]), g, cache)
+        logits, g, cache = _mtp_forward(head.params, head.config, embed, lm_head, jnp.array([[token]]), g, cache)
         cache = cache.advance(jnp.array([1]))
         ours.append(logits[0])
         token = int(jnp.argmax(logits[0, -1]))
@@ -203,10 +208,10 @@ def test_transformers_mtp_generation_proposes_what_jaxspec_proposes(hf_models, t
 
     sequence = prompt + plain.tokens[0]
     cfg = target.config
-    _, (features,), _ = llama.forward(target.params, cfg, jnp.asarray([sequence]), KVCache.create(cfg, 1, 64),
-                                      hidden_layers=(cfg.num_layers,))
-    logits, _, _ = mtp.forward(head.params, head.config, target.params.embed, target.params.lm_head,
-                               jnp.asarray([sequence[1:]]), features[:, :-1], mtp.create_cache(head.config, 1, 64))
+    _, (features,), _ = _llama_forward(target.params, cfg, jnp.asarray([sequence]), KVCache.create(cfg, 1, 64),
+                                       hidden_layers=(cfg.num_layers,))
+    logits, _, _ = _mtp_forward(head.params, head.config, target.params.embed, target.params.lm_head,
+                                jnp.asarray([sequence[1:]]), features[:, :-1], mtp.create_cache(head.config, 1, 64))
     teacher_forced = np.asarray(jnp.argmax(logits[0], -1))  # [n - 1]: the draft for token p + 2
     for length, candidate in proposals:
         assert candidate == teacher_forced[length - 2], length
