@@ -20,6 +20,9 @@ from jaxspec.config import ModelConfig, RopeType, resolve_rotary_dim
 from jaxspec.models import llama
 from tests.conftest import assert_same_greedy, max_relative_error
 
+# One jit of the forward for the module (eager, each op compiles alone: ~30 compiles a layer).
+_forward = jax.jit(llama.forward, static_argnums=1, static_argnames=("hidden_layers",))
+
 COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               initializer_range=0.08, rms_norm_eps=1e-5)
@@ -74,8 +77,8 @@ def test_logits_match_transformers(case):
     if model.config.rope_scaling is not None:
         assert model.config.rope_scaling.rope_type is RopeType(scaling)
     tokens = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 24))
-    logits, _, _ = jax.jit(llama.forward, static_argnums=1)(
-        model.params, model.config, jnp.asarray(tokens, jnp.int32), KVCache.create(model.config, 2, 32))
+    logits, _, _ = _forward(model.params, model.config, jnp.asarray(tokens, jnp.int32),
+                            KVCache.create(model.config, 2, 32))
     error = max_relative_error(logits, _hf_logits(hf_model, tokens))
     assert error <= 1e-4, f"max relative logits error {error:.2e}"
 
@@ -86,8 +89,8 @@ def test_hidden_states_match_transformers(case):
     hf_model, model = case
     tokens = np.random.RandomState(1).randint(0, model.config.vocab_size, (1, 10))
     layers = (0, model.config.num_layers - 2)
-    _, hiddens, _ = llama.forward(model.params, model.config, jnp.asarray(tokens, jnp.int32),
-                                  KVCache.create(model.config, 1, 16), hidden_layers=layers)
+    _, hiddens, _ = _forward(model.params, model.config, jnp.asarray(tokens, jnp.int32),
+                             KVCache.create(model.config, 1, 16), hidden_layers=layers)
     with torch.no_grad():
         reference = hf_model(torch.tensor(tokens), output_hidden_states=True).hidden_states
     for ours, layer in zip(hiddens, layers):
@@ -146,10 +149,10 @@ def test_partial_rotary_matches_transformers_phi3(tmp_path):
            "lm_head": sd["lm_head.weight"]}
     params = llama.params_from(cfg, lambda name, index: top[name] if index is None else layers[index][name])
     tokens = np.random.RandomState(4).randint(0, cfg.vocab_size, (2, 20))
-    logits, _, _ = llama.forward(params, cfg, jnp.asarray(tokens, jnp.int32), KVCache.create(cfg, 2, 32))
+    logits, _, _ = _forward(params, cfg, jnp.asarray(tokens, jnp.int32), KVCache.create(cfg, 2, 32))
     error = max_relative_error(logits, _hf_logits(hf_model, tokens))
     assert error <= 1e-4, f"max relative logits error {error:.2e}"
     # A full-width RoPE would be wrong here: the test must be able to fail.
     wrong = dataclasses.replace(cfg, rotary_dim=H)
-    wrong_logits, _, _ = llama.forward(params, wrong, jnp.asarray(tokens, jnp.int32), KVCache.create(cfg, 2, 32))
+    wrong_logits, _, _ = _forward(params, wrong, jnp.asarray(tokens, jnp.int32), KVCache.create(cfg, 2, 32))
     assert max_relative_error(wrong_logits, _hf_logits(hf_model, tokens)) > 1e-3
