@@ -13,27 +13,27 @@ import dataclasses
 import math
 import os
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import checkpoints, compilation
+from jaxspec import checkpoints, compilation, models
 from jaxspec import grammar as grammar_lib
 from jaxspec.cache import KVFormat
 from jaxspec.errors import InvalidRequestError, check_text, is_integer
 from jaxspec.model import Model, check_trunk, layer_skip, lm_head_of, on_mesh_of, with_weight_format
 from jaxspec.models import backends, quant
 from jaxspec.models.backends import Products
-from jaxspec.models.qwen35 import Qwen35Config
 from jaxspec.models.layers import fuse_projections
 from jaxspec.models.quant import WeightFormat
 from jaxspec.options import GenerateOptions
 from jaxspec.sampling import SamplingParams
 from jaxspec.sharding import Plan, to_host
 from jaxspec.spec import loop
+from jaxspec.spec.drafters import mtp as mtp_drafter
+from jaxspec.spec.drafting import DRAFTERS, drafter_of
 from jaxspec.spec.methods import Method, Speculation, build
 from jaxspec.tokenizer import Tokenizer
 
@@ -99,17 +99,13 @@ def load(name_or_path: str = DEFAULT_MODEL, *, weight_format: WeightFormat | str
 
 
 def _load_head_dir(path, weight_format: WeightFormat = WeightFormat.AUTO) -> Model | None:
-    """A draft head directory (EAGLE-3, a Gemma 4 assistant, or an MTP head trained by jaxspec.train) as a Model with
-    no trunk and no tokenizer of its own; None when `path` is not one. In AUTO it stays float32
-    until it runs beside a target (`with_weight_format`)."""
-    if checkpoints.is_eagle3_dir(path):
-        config, params = checkpoints.load_eagle3(path)
-    elif checkpoints.is_assistant_dir(path):
-        config, params = checkpoints.load_assistant(path)
-    elif checkpoints.is_mtp_head_dir(path):
-        config, params = checkpoints.load_mtp_head(path)
-    else:
+    """A draft head directory of a registered drafter (an EAGLE-3 head, a Gemma 4 assistant, an MTP
+    head trained by jaxspec.train) as a Model with no trunk and no tokenizer of its own; None when
+    `path` is none. In AUTO it stays float32 until it runs beside a target (`with_weight_format`)."""
+    checkpoint = next((d.checkpoint for d in DRAFTERS.values() if d.checkpoint and d.checkpoint.is_dir(path)), None)
+    if checkpoint is None:
         return None
+    config, params = checkpoint.load(path)
     if weight_format is not WeightFormat.AUTO:
         params = quant.convert(params, weight_format)
     return Model(config=config, params=fuse_projections(params), source=str(path), weight_format=weight_format)
@@ -119,17 +115,7 @@ def load_mtp(model_or_path: "Model | str") -> Model:
     """The MTP head an HF checkpoint carries (num_nextn_predict_layers): pass the target's
     directory, or the target `Model` loaded from it; or a head directory written by
     `jaxspec.train`. Generate with it as `draft_params`."""
-    source = model_or_path.source if isinstance(model_or_path, Model) else model_or_path
-    if source is None:
-        raise InvalidRequestError("this model has no source directory to read an MTP head from")
-    path = checkpoints.resolve_model(source)
-    if checkpoints.is_mtp_head_dir(path):  # a head trained by jaxspec.train, on its own
-        return _load_head_dir(path)
-    if not checkpoints.has_mtp(path):
-        raise InvalidRequestError(
-            f"{path} carries no MTP head: an HF directory whose config.json declares num_nextn_predict_layers")
-    config, params = checkpoints.load_mtp(path)
-    return Model(config=config, params=fuse_projections(params), source=str(path))
+    return mtp_drafter.load_head(model_or_path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,18 +321,6 @@ def _check_prompt_given(draft_params, prompt) -> None:
                               "generate(model, draft_params, prompt)")
 
 
-# The MTP head a target's own checkpoint carries, read on the first "mtp" request without a draft
-# and kept per target Model (hashable by identity; the entry goes when the target does), so
-# later requests do not read it from disk again.
-_OWN_MTP_HEADS: "weakref.WeakKeyDictionary[Model, Model]" = weakref.WeakKeyDictionary()
-
-
-def _own_mtp_head(model: Model) -> Model:
-    if model not in _OWN_MTP_HEADS:
-        _OWN_MTP_HEADS[model] = load_mtp(model)
-    return _OWN_MTP_HEADS[model]
-
-
 def prepare(model: Model, draft_params: Model | None = None, prompt: Prompt = REQUIRED, *,
             options: GenerateOptions | None = None, **overrides) -> Prepared:
     """Check a request against `model` and build what the jitted program takes; raises
@@ -364,8 +338,9 @@ def prepare(model: Model, draft_params: Model | None = None, prompt: Prompt = RE
     if options.kv_format is not None:
         options.kv_format.check(cfg)
     method = options.method if options.method is not None else Method.infer(draft_params)
-    if method is Method.MTP and draft_params is None:  # the head the target's own checkpoint carries
-        draft_params = _own_mtp_head(model)
+    default_draft = drafter_of(method).default_draft
+    if draft_params is None and default_draft is not None:  # e.g. the MTP head the target's checkpoint carries
+        draft_params = default_draft(model)
     if isinstance(draft_params, Model):
         draft_params = on_mesh_of(with_weight_format(draft_params, model), model)
     plan = model.sharding
@@ -374,12 +349,10 @@ def prepare(model: Model, draft_params: Model | None = None, prompt: Prompt = RE
     k = speculation.num_draft
     rows = prompt_ids(prompt, model, options.chat)
     longest, max_new_tokens = max(len(r) for r in rows), int(options.max_new_tokens)
-    # A round writes k + 1 slots (a tree: 1 + num_nodes, or its drafter's scratch slots),
-    # padded to the weights' token lanes (LoopSpec.round_width). The Qwen3.5 hybrid is not
-    # padded: its recorded-state ring holds k + 2 steps, not the filler.
-    lanes = 1 if isinstance(cfg, Qwen35Config) else model.products.token_lanes
-    round_width = loop.LoopSpec(cfg=cfg, capacity=0, sampler=sampler, proposer=speculation.proposer,
-                                token_lanes=lanes).round_width
+    # A round writes k + 1 slots (a tree: 1 + num_nodes, or its drafter's scratch slots), padded
+    # to the weights' token lanes where the trunk takes filler tokens (a recurrent one does not).
+    lanes = model.products.token_lanes if models.family_of(cfg).takes_filler_tokens else 1
+    round_width = loop.round_width(speculation.proposer, lanes)
     reach = k if options.tree is None else round_width - 1
     for whose, context in speculation.context_limits(model):
         if longest + max_new_tokens + reach > context:
@@ -563,7 +536,8 @@ def generate(model: Model, draft_params: Model | None = None, prompt: Prompt = R
     Rows stop at EOS, a stop token or string, or `max_new_tokens`.
     KV cache: `kv_format` stores the target's K and V as "f32" (default), "bf16", "q8_0" or
     "q5_1", one name for both or a (K, V) pair such as ("q8_0", "q5_1"); `attention` is "auto"
-    (the Pallas kernel on GPU, the XLA reference elsewhere), "reference", "pallas" or "interpret".
+    (jaxspec.cpu's native kernel where the weights run on the native CPU backend, XLA's attention
+    elsewhere), "reference", "native", or the Pallas kernel by name, "pallas" (GPU) or "interpret".
     The first call for a shape compiles (a `compiling ...` line on stderr, see
     `jaxspec.compilation`); compiled programs persist on disk across runs.
     """

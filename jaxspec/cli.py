@@ -23,7 +23,7 @@ from jaxspec.models.backends import Products
 from jaxspec.models.quant import WeightFormat
 from jaxspec.options import DEFAULT_DRAFT_TOKENS, GenerateOptions
 from jaxspec.score import score
-from jaxspec.spec.methods import DRAFT_SAMPLING, Method
+from jaxspec.spec.methods import DRAFT_SAMPLING, DRAFTERS, Method
 from jaxspec.spec.tree import DraftTree
 
 EXIT_BAD_INPUT = 2
@@ -37,10 +37,13 @@ PRODUCTS_FLAG = dict(
     help="which code computes the weight products: auto (default: the native CPU kernels for f32 and int8 "
          "weights on a CPU where they build, else XLA's), xla, or native")
 DEFAULTS = GenerateOptions()
-# What `--draft` must name for each method that needs one.
-DRAFT_FOR = {Method.DRAFT: "--draft MODEL (a draft model sharing the vocabulary)",
-             Method.EAGLE3: "--draft HEAD_DIR (an EAGLE-3 head directory, or eagle3-smollm2-135m)",
-             Method.ASSISTANT: "--draft DIR (a Gemma 4 assistant checkpoint, transformers' gemma4_assistant)"}
+
+
+def _method_help() -> str:
+    """--method's help, from the drafter registry."""
+    return "speculation, default plain or inferred from --draft: " + "; ".join(
+        f"{name}: {drafter.summary}" + (f", {drafter.draft_help}" if drafter.draft_help else "")
+        for name, drafter in DRAFTERS.items())
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -69,11 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=DEFAULTS.repetition_penalty)
     gen.add_argument("--seed", type=int, default=DEFAULTS.seed)
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    gen.add_argument("--method", choices=[method.value for method in Method], default=None,
-                     help="speculation: ngram (prompt lookup), draft (--draft MODEL), layer_skip, eagle3 "
-                          "(--draft HEAD_DIR), mtp (the model's own MTP head, or --draft DIR), assistant (a Gemma 4 "
-                          "shared-KV assistant, --draft DIR); default plain, "
-                          "or inferred from --draft")
+    gen.add_argument("--method", choices=list(DRAFTERS), default=None, help=_method_help())
     gen.add_argument("-k", "--num-draft-tokens", type=int, default=DEFAULTS.num_draft_tokens,
                      help=f"draft tokens per round (default {DEFAULT_DRAFT_TOKENS}; a --tree drafts to its depth)")
     gen.add_argument("--draft", default=None,
@@ -242,9 +241,12 @@ def _check_flags(args) -> None:
     """What only the CLI can get wrong: flags that only apply together."""
     if args.exit_layer is not None and args.method != Method.LAYER_SKIP:
         raise InvalidRequestError("--exit-layer applies to --method layer_skip only")
-    if args.method in DRAFT_FOR and args.draft is None:
-        raise InvalidRequestError(f"--method {args.method} needs {DRAFT_FOR[Method(args.method)]}")
-    if args.draft is not None and args.method in (Method.PLAIN, Method.NGRAM, Method.LAYER_SKIP):
+    if args.method is None:
+        return
+    drafter = DRAFTERS[args.method]
+    if args.draft is None and drafter.draft_help is not None and drafter.default_draft is None:
+        raise InvalidRequestError(f"--method {args.method} needs {drafter.draft_help}")
+    if args.draft is not None and drafter.draft_help is None:
         raise InvalidRequestError(f"--method {args.method} takes no --draft")
 
 
@@ -278,10 +280,10 @@ def _generate(args) -> None:
     model = api.load(args.model, weight_format=args.weight_format, products=args.products, progress=main_process)
     if mesh_sizes is not None:
         model = shard(model, sharding.make_mesh(**mesh_sizes))  # a draft follows the target's mesh
-    if args.method == Method.MTP:  # the head lives in a target's directory (no --draft: the model's own)
-        draft = api.load_mtp(args.draft) if args.draft else None
-    else:
-        draft = api.load(args.draft, progress=main_process) if args.draft else None
+    load_draft = DRAFTERS[args.method].load_draft if args.method is not None else None
+    draft = None
+    if args.draft is not None:
+        draft = load_draft(args.draft) if load_draft else api.load(args.draft, progress=main_process)
     stream = api.stream(model, draft, args.prompt, options=options)
     for text in stream:
         if main_process:  # under a multi-host mesh, every process runs the loop and one prints

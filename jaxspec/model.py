@@ -86,8 +86,7 @@ def layer_skip(model: Model, exit_layer: int) -> Model:
     if not is_integer(exit_layer) or not 1 <= exit_layer < num_layers:
         raise InvalidRequestError(f"exit_layer must be an integer in [1, {num_layers}); got {exit_layer!r}")
     params = dataclasses.replace(model.params, layers=model.params.layers[:exit_layer])
-    truncated = getattr(model.config, "truncated", None)  # a family whose layers depend on their count
-    config = truncated(int(exit_layer)) if truncated else dataclasses.replace(model.config, num_layers=int(exit_layer))
+    config = models.family_of(model.config).truncated(model.config, int(exit_layer))
     return Model(config=config, params=params, tokenizer=model.tokenizer,
                  source=f"layer_skip({model.source}, exit_layer={exit_layer})", exit_layer=int(exit_layer),
                  sharding=model.sharding)

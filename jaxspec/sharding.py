@@ -1,6 +1,6 @@
 """Many devices: a model's params, caches and loop state laid out over a `jax.sharding.Mesh`.
 
-jaxspec runs on JAX's own SPMD engine (DESIGN.md contract 8): every array gets a
+jaxspec runs on JAX's own SPMD engine (docs/design.md, "Sharding"): every array gets a
 `NamedSharding`, XLA partitions the one jitted program (prefill, the `lax.while_loop` of
 rounds) and inserts the collectives. Nothing in the models knows about meshes: params fields
 declare logical axis names (jaxspec.models.params), caches declare theirs (`KVCache.logical_axes`,

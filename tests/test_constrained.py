@@ -293,12 +293,12 @@ def test_a_verifier_masking_by_the_wrong_state_fails_the_same_test(small, monkey
     target, draft_model = small
     real_walk = loop._walk
 
-    def broken_walk(grammar_table, start, tokens):
+    def broken_walk(grammar_table, start, tokens, parents=None):
         """A classic bug: every verify position masked by the row's current state, not the
         state the drafts before it reach."""
         if tokens.shape[1] == 2:  # the verify's walk along k = 2 drafts (commit walks k + 1 tokens)
             return jnp.repeat(start[:, None], 3, axis=1)
-        return real_walk(grammar_table, start, tokens)
+        return real_walk(grammar_table, start, tokens, parents)
 
     monkeypatch.setattr(loop, "_walk", broken_walk)
     settings = dict(temperature=1.0)

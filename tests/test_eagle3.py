@@ -240,13 +240,14 @@ def test_eagle3_head_state_tracks_the_committed_sequence(target, head):
     after generation, re-absorbing (feature p, token p + 1) for the whole sequence gives the same
     next-token logits as the incremental state."""
     from jaxspec.spec import proposers
+    from jaxspec.spec.drafters.eagle3 import Eagle3
 
     result = jaxspec.generate(target, head, PROMPTS[0], max_new_tokens=12, ignore_eos=True, num_draft_tokens=3)
     sequence = PROMPTS[0] + result.tokens[0]
     aux = HEAD.resolved_aux_layers(TARGET.num_layers)
     _, features, _ = llama.forward(target.params, TARGET, jnp.asarray([sequence[:-1]]),
                                    KVCache.create(TARGET, 1, 64), hidden_layers=eagle3.target_hidden_layers(aux))
-    proposer = proposers.Eagle3(num_draft=3, config=HEAD, aux_layer_ids=aux)
+    proposer = Eagle3(num_draft=3, config=HEAD, aux_layer_ids=aux)
     draft_params = {"head": head.params, "embed": target.params.embed}
     n = len(sequence) - 1
     absorb = jax.jit(proposer._absorb)
@@ -264,7 +265,8 @@ def test_eagle3_head_state_tracks_the_committed_sequence(target, head):
         committed = jnp.asarray([sequence[position + 1: position + 1 + take] + [0] * (4 - take)])
         hiddens = tuple(jnp.pad(f[:, position: position + take], ((0, 0), (0, 4 - take), (0, 0))) for f in features)
         verified = proposers.Verified(accepted=jnp.array([take - 1]), committed=committed,
-                                      num_committed=jnp.array([take]), hiddens=hiddens)
+                                      num_committed=jnp.array([take]), hiddens=hiddens,
+                                      path=jnp.arange(4)[None])
         incremental = update(draft_params, incremental, verified)
         position += take
     assert int(incremental.cache.length[0]) == int(state.cache.length[0]) == n

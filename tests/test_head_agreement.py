@@ -16,7 +16,7 @@ from jaxspec import checkpoints
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.models import eagle3, llama
-from jaxspec.spec import proposers
+from jaxspec.spec.drafters.eagle3 import Eagle3
 from jaxspec.train.data import Dataset
 from tests.conftest import load_bench_script
 
@@ -80,7 +80,7 @@ def test_agreement_counts_are_the_proposers_drafts_after_each_prefix(script, mod
     positions = script.depth0_positions(target, head, data, batch_size=1)
 
     aux = HEAD.resolved_aux_layers(TARGET.num_layers)
-    proposer = proposers.Eagle3(num_draft=1, config=HEAD, aux_layer_ids=aux)
+    proposer = Eagle3(num_draft=1, config=HEAD, aux_layer_ids=aux)
     draft_params = {"head": head.params, "embed": target.params.embed}
     absorb = jax.jit(proposer._absorb)
     expected = np.zeros_like(counts)

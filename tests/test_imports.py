@@ -78,3 +78,44 @@ def test_no_import_cycles():
     for name in sorted(GRAPH):
         if name not in state:
             visit(name, [name])
+
+
+def _families() -> set[str]:
+    """The trunk modules: those that build a `FAMILY = Family(...)` descriptor."""
+    found = set()
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any(isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "FAMILY" for t in node.targets)
+               for node in tree.body):
+            found.add(name)
+    return found
+
+
+TRUNKS = _families()
+ENGINE = sorted(name for name in MODULES if name.startswith("jaxspec.spec") or name == "jaxspec.api")
+
+
+def test_the_engine_imports_no_trunk_module():
+    """The loop, the drafters and the API reach a trunk only through its `Family` (jaxspec.models)."""
+    assert {"jaxspec.models.llama", "jaxspec.models.qwen35", "jaxspec.models.gemma"} <= TRUNKS
+    assert "jaxspec.spec.loop" in ENGINE and "jaxspec.spec.drafters.eagle3" in ENGINE
+    for name in ENGINE:
+        trunks = sorted(GRAPH[name] & TRUNKS)
+        assert not trunks, f"{name} imports the trunk module(s) {trunks}: ask the family (jaxspec.models.Family) instead"
+
+
+def test_the_engine_duck_types_nothing():
+    """No getattr in the engine (but a class reading its own fields) and no isinstance of a trunk's
+    config: a proposer's capabilities are its protocol's fields, a trunk's its family's (a drafter
+    module recognises its own head's config)."""
+    for name in ENGINE:
+        for node in ast.walk(ast.parse(MODULES[name].read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id in ("getattr", "hasattr"):
+                target = node.args[0]
+                assert isinstance(target, ast.Name) and target.id == "self", (
+                    f"{name}:{node.lineno} {node.func.id}({ast.unparse(target)}, ...)")
+            if node.func.id == "isinstance":  # trunk configs are told apart by their family
+                assert "Config" not in ast.unparse(node.args[1]) or "head_model" in ast.unparse(node.args[1]), (
+                    f"{name}:{node.lineno} {ast.unparse(node)}")

@@ -14,7 +14,7 @@ from jaxspec.errors import InvalidRequestError, UnsupportedModelError
 from jaxspec.models import llama
 from jaxspec.pallas import kv_quant
 from jaxspec.pallas.kv_quant import Format, Q5_1, Q8_0
-from jaxspec.spec.verify import greedy_accept
+from jaxspec.spec.verify import chain_parents, greedy_accept
 from tests.conftest import TINY, max_relative_error
 
 # Same suite natively on a GPU, in the Pallas interpreter elsewhere.
@@ -213,9 +213,9 @@ def _speculative_greedy(params, prompt, steps, kv_format, proposals, k=3):
         drafts = jnp.asarray([proposals(len(out), k)], jnp.int32)
         verify = jnp.concatenate([jnp.asarray([[out[-1]]], jnp.int32), drafts], axis=1)
         logits, _, cache = forward(params, TINY32, verify, cache)
-        accepted, committed = greedy_accept(drafts, jnp.array([k]), logits)
-        n = int(accepted[0])
-        out += [int(t) for t in committed[0, : n + 1]]
+        outcome = greedy_accept(verify[:, 0], drafts, chain_parents(1, k), jnp.array([k]), logits, k)
+        n = int(outcome.accepted[0])
+        out += [int(t) for t in outcome.committed[0, : n + 1]]
         cache = cache.advance(jnp.array([n + 1]))
         rounds += 1
     return out[:steps], rounds

@@ -24,7 +24,8 @@ from jaxspec.errors import InvalidRequestError
 from jaxspec.models import eagle3
 from jaxspec.spec import lookup_first
 from jaxspec.spec import tree as tree_lib
-from jaxspec.spec.proposers import Context, Proposal, PromptLookup
+from jaxspec.spec.drafters.ngram import PromptLookup
+from jaxspec.spec.proposers import Context, Proposal
 from tests.conftest import assert_plain_greedy
 from tests.test_assistant import small as small_gemma  # noqa: F401 (fixture)
 from tests.test_cli import assert_one_line_error, run, stats_lines, tiny, tiny_cache  # noqa: F401 (fixtures)
@@ -46,6 +47,8 @@ class FixedDrafter:
     tree: None = None
     name: str = "fixed"
     target_hidden_layers: tuple[int, ...] = ()
+    can_abstain: bool = False
+    context_limit: None = None
 
     def draft_inputs(self, target_params, draft_model_params):
         return None

@@ -69,7 +69,8 @@ def test_multi_token_stop_sequence_on_device(tiny_model, free_running):
     sequence = tuple(free[6:9])
     prepared = jaxspec.prepare(tiny_model, prompt=PROMPTS[0], max_new_tokens=20, ignore_eos=True)
     spec = dataclasses.replace(prepared.spec, stop_sequences=(sequence,))
-    state = loop.run_jit(tiny_model.params, None, prepared.request, spec=spec)
+    state = loop.decode_jit(tiny_model.params, None, loop.prefill_jit(tiny_model.params, None, prepared.request, spec=spec),
+                            prepared.request, spec=spec)
     end = next(i for i in range(2, 20) if tuple(free[i - 2:i + 1]) == sequence)
     assert loop.generated_tokens(state, 1)[0] == free[: end + 1]
     assert int(state.finish_reason[0]) == loop.FINISH_STOP
@@ -84,17 +85,6 @@ def test_rows_finish_independently(tiny_model, free_running):
         expected = free[: free.index(stop_token) + 1] if stop_token in free else free
         assert result.tokens[row] == expected
     assert result.finish_reason[0] == "stop"
-
-
-def test_prefill_then_decode_equals_one_program(tiny_model):
-    prepared = jaxspec.prepare(tiny_model, prompt=PROMPTS, max_new_tokens=12, ignore_eos=True)
-    args = (tiny_model.params, None)
-    whole = loop.run_jit(*args, prepared.request, spec=prepared.spec)
-    state = loop.prefill_jit(*args, prepared.request, spec=prepared.spec)
-    chex.assert_shape(state.tokens, (3, prepared.spec.capacity))
-    split = loop.decode_jit(*args, state, prepared.request, spec=prepared.spec)
-    chex.assert_trees_all_equal(whole.tokens, split.tokens)
-    assert loop.generated_tokens(split, 3) == loop.generated_tokens(whole, 3)
 
 
 def test_stream_step_reports_exactly_the_tokens_it_committed(tiny_model, free_running):

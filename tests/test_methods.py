@@ -9,13 +9,13 @@ import pytest
 import jaxspec
 from jaxspec import compilation
 from jaxspec.models import eagle3, llama, mtp
-from jaxspec.spec.methods import BUILDERS, Method
+from jaxspec.spec.drafting import DRAFTERS, Method, names
 from tests.conftest import TINY
 
 
-def test_every_method_has_a_builder_and_a_name_the_cli_accepts():
-    assert set(BUILDERS) == set(Method)
-    assert [m.value for m in Method] == ["plain", "ngram", "draft", "layer_skip", "eagle3", "mtp", "assistant"]
+def test_every_method_is_a_registered_drafter():
+    assert names() == ("plain", "ngram", "layer_skip", "draft", "eagle3", "mtp", "assistant")
+    assert all(DRAFTERS[name].method == name and DRAFTERS[name].method is Method.parse(name) for name in names())
     assert Method.parse("layer_skip") is Method.LAYER_SKIP and Method.LAYER_SKIP == "layer_skip"
 
 

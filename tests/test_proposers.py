@@ -9,7 +9,11 @@ import jax.numpy as jnp
 from jaxspec import generate, prepare
 from jaxspec.models import eagle3, llama, mtp
 from jaxspec.spec import loop
-from jaxspec.spec.proposers import Context, DraftModel, Eagle3, Mtp, PromptLookup
+from jaxspec.spec.drafters.draft_model import DraftModel
+from jaxspec.spec.drafters.eagle3 import Eagle3
+from jaxspec.spec.drafters.mtp import Mtp
+from jaxspec.spec.drafters.ngram import PromptLookup
+from jaxspec.spec.proposers import Context
 from tests.conftest import TINY
 
 

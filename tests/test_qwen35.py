@@ -348,6 +348,9 @@ class ScriptedDrafts:
     num_draft: int
     name: str = "scripted"
     target_hidden_layers: tuple[int, ...] = ()
+    tree: None = None
+    can_abstain: bool = False
+    context_limit: None = None
     schedule: tuple[int, ...] = (4, 0, 2)  # drafts right per round, cycled
 
     def init(self, draft_params, *args, **kwargs):  # works with either init signature
@@ -383,7 +386,9 @@ def test_rounds_rejecting_first_partial_and_all_keep_the_exact_state(hybrid, ref
     request = loop.Request(prompt=jnp.asarray(prompt), prompt_length=jnp.asarray([len(p) for p in PROMPTS], jnp.int32),
                            max_new_tokens=jnp.full((batch,), new, jnp.int32),
                            sampling=SamplingParams.create(batch, temperature=0.0), key=jax.random.PRNGKey(0))
-    state = loop.run_jit(hybrid.params, jnp.asarray(truth), request, spec=spec)
+    draft_params = jnp.asarray(truth)
+    state = loop.decode_jit(hybrid.params, draft_params, loop.prefill_jit(hybrid.params, draft_params, request, spec=spec),
+                            request, spec=spec)
     tokens = np.asarray(state.tokens)
     for row, ids in enumerate(PROMPTS):
         assert tokens[row, len(ids): len(ids) + new].tolist() == reference[row]

@@ -179,12 +179,15 @@ def test_rounds_where_no_row_drafts_sample_the_exact_distribution(target):
     assert stats.proposed == 0 and stats.rounds > 0
 
 
-def _rejection_without_residual(drafts, num_proposed, draft_probs, target_probs, key):
-    """A classic bug: after a rejection, draw from p itself instead of norm(max(0, p - q))."""
-    accepted, committed = verify.rejection_sample(drafts, num_proposed, draft_probs, target_probs, key)
-    p_next = jnp.take_along_axis(target_probs, accepted[:, None, None], axis=1)[:, 0]  # [B, V]
-    redrawn = jax.random.categorical(jax.random.fold_in(key, 7), jnp.log(p_next), axis=-1).astype(jnp.int32)
-    return accepted, committed.at[jnp.arange(drafts.shape[0]), accepted].set(redrawn)
+def _rejection_without_residual(pending, drafts, parents, num_proposed, draft_probs, target_probs, key, depth):
+    """A classic bug: after a rejection, draw from p itself instead of the residual
+    (norm(max(0, p - q)), or p without the rejected children)."""
+    outcome = verify.rejection_sample(pending, drafts, parents, num_proposed, draft_probs, target_probs, key, depth)
+    rows = jnp.arange(drafts.shape[0])
+    stop_node = jnp.take_along_axis(outcome.path, outcome.accepted[:, None], axis=1)[:, 0]  # [B]: the path's end
+    p = target_probs[rows, stop_node]  # [B, V]
+    redrawn = jax.random.categorical(jax.random.fold_in(key, 7), jnp.log(p), axis=-1).astype(jnp.int32)
+    return dataclasses.replace(outcome, committed=outcome.committed.at[rows, outcome.accepted].set(redrawn))
 
 
 def assert_broken_run_detected(run, exact: np.ndarray) -> None:

@@ -11,6 +11,7 @@ end elsewhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -29,7 +30,7 @@ ancestor_mask = jax.jit(tree.ancestor_mask, static_argnums=1)
 node_depths = jax.jit(tree.node_depths, static_argnums=1)
 verify_mask = jax.jit(tree.verify_mask, static_argnums=(1, 3))
 trie = jax.jit(tree.trie, static_argnums=2)
-greedy_accept = jax.jit(tree.greedy_accept, static_argnames="depth")
+greedy_accept = jax.jit(verify.greedy_accept, static_argnames="depth")
 
 # ----------------------------------------------------------------------------------------------
 # DraftTree
@@ -154,7 +155,7 @@ def test_positional_seen_adds_each_nodes_ancestors_and_itself():
     tokens = np.random.default_rng(4).integers(0, 10, (3, 7))  # [B, 1+N]
     seen = np.random.default_rng(5).random((3, 10)) < 0.2  # [B, V]
     ancestors = np.stack([brute_ancestors(row) for row in parents])
-    got = np.asarray(tree.positional_seen(jnp.asarray(seen), jnp.asarray(tokens, jnp.int32), jnp.asarray(ancestors)))
+    got = np.asarray(verify.positional_seen(jnp.asarray(seen), jnp.asarray(tokens, jnp.int32), jnp.asarray(ancestors)))
     for row in range(3):
         for v in range(7):
             expected = seen[row].copy()
@@ -322,7 +323,9 @@ def test_greedy_accept_on_hand_built_trees():
             assert outcome.committed[row, :accepted + 1].tolist() == list(case.committed), name
 
 
-def test_greedy_accept_on_a_chain_equals_the_chain_verifier():
+def test_greedy_accept_on_a_chain_is_the_longest_prefix_of_argmaxes():
+    """A chain (node v's parent v - 1) against a plain-Python model: the drafts kept are the
+    leading run that equals the argmax before each, then the argmax after the last one kept."""
     batch, k = 32, 4
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(batch, k + 1, VOCAB)), jnp.float32)
@@ -330,17 +333,18 @@ def test_greedy_accept_on_a_chain_equals_the_chain_verifier():
     # Drafts are the argmaxes but for one corrupted position per row (or none, past k).
     wrong_at = rng.integers(0, k + 1, batch)
     drafts = np.where(np.arange(k)[None] == wrong_at[:, None], (argmax[:, :k] + 1) % VOCAB, argmax[:, :k])
-    num_proposed = jnp.asarray(rng.integers(0, k + 1, batch), jnp.int32)
-    chain_parents = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))  # node v's parent: v - 1
+    num_proposed = rng.integers(0, k + 1, batch)
     pending = jnp.asarray(rng.integers(0, VOCAB, batch), jnp.int32)
-    outcome = jax.device_get(
-        greedy_accept(pending, jnp.asarray(drafts, jnp.int32), chain_parents, num_proposed, logits, depth=k))
-    accepted, committed = jax.device_get(verify.greedy_accept(jnp.asarray(drafts, jnp.int32), num_proposed, logits))
-    chex.assert_trees_all_equal(outcome.accepted, accepted)
-    assert len(set(accepted.tolist())) > 2  # the rows cover several outcomes
-    for row, n in enumerate(accepted.tolist()):
-        assert outcome.committed[row, :n + 1].tolist() == committed[row, :n + 1].tolist()
+    outcome = jax.device_get(greedy_accept(pending, jnp.asarray(drafts, jnp.int32), verify.chain_parents(batch, k),
+                                           jnp.asarray(num_proposed, jnp.int32), logits, depth=k))
+    for row in range(batch):
+        n = 0
+        while n < num_proposed[row] and drafts[row, n] == argmax[row, n]:
+            n += 1
+        assert int(outcome.accepted[row]) == n
+        assert outcome.committed[row, :n + 1].tolist() == drafts[row, :n].tolist() + [argmax[row, n]]
         assert outcome.path[row, :n + 1].tolist() == list(range(n + 1))
+    assert len(set(outcome.accepted.tolist())) > 2  # the rows cover several outcomes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,7 +386,9 @@ def exact_committed_distribution(probs: np.ndarray) -> np.ndarray:
     return table
 
 
-rejection_sample = jax.jit(tree.rejection_sample, static_argnums=6)
+@functools.partial(jax.jit, static_argnums=6)
+def rejection_sample(pending, drafts, parents, num_proposed, target_probs, key, depth):
+    return verify.rejection_sample(pending, drafts, parents, num_proposed, None, target_probs, key, depth)
 
 
 def sampled_counts(breakage=None) -> np.ndarray:
@@ -445,7 +451,7 @@ def test_rejection_sample_corner_cases_are_certain():
 
 
 @jax.jit
-def _bonus_from_p_with_the_children_left_in(outcome: tree.Accepted, target_probs, key) -> tree.Accepted:
+def _bonus_from_p_with_the_children_left_in(outcome: verify.Accepted, target_probs, key) -> verify.Accepted:
     """A plausible bug: when every child is rejected, draw the next token from p itself instead of
     p without the children (so a child's token can come back as the bonus)."""
     rows = jnp.arange(target_probs.shape[0])

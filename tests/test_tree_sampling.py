@@ -11,13 +11,12 @@ fails the same test.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from jaxspec.spec import loop
-from jaxspec.spec import tree as tree_lib
 from tests import test_spec_sampling
-from tests.test_spec_sampling import SIGNIFICANCE, assert_lossless, chi_square_p_value, exact_joint, sampled_joint
+from tests.test_spec_sampling import (SIGNIFICANCE, _rejection_without_residual, assert_lossless, chi_square_p_value,
+                                      exact_joint, sampled_joint)
 from tests.test_spec_sampling import draft, target  # noqa: F401 (fixtures)
 
 TREE = (2, 3, 6)  # depth 2, three children per node, six nodes verified
@@ -38,22 +37,10 @@ def test_tree_sampling_matches_the_exact_distribution(target, draft, name, setti
     assert stats.accepted > 0  # paths do get accepted: the walk below the root is exercised
 
 
-def _bonus_from_p_itself(pending, drafts, parents, num_proposed, target_probs, key, depth):
-    """A plausible bug: after every child of a node is rejected, draw the next token from that
-    node's p itself, so a rejected child can come back, instead of from p without the children."""
-    outcome = tree_lib.rejection_sample(pending, drafts, parents, num_proposed, target_probs, key, depth)
-    rows = jnp.arange(pending.shape[0])
-    stop_node = jnp.take_along_axis(outcome.path, outcome.accepted[:, None], axis=1)[:, 0]  # [B]: the path's end
-    p = target_probs[rows, stop_node]  # [B, V]
-    redrawn = jax.random.categorical(jax.random.fold_in(key, 7), jnp.log(p), axis=-1).astype(jnp.int32)
-    committed = outcome.committed.at[rows, outcome.accepted].set(redrawn)
-    return tree_lib.Accepted(accepted=outcome.accepted, committed=committed, path=outcome.path)
-
-
 def test_a_tree_verifier_that_keeps_the_rejected_children_fails_the_same_test(target, draft, monkeypatch):
     settings = dict(temperature=1.0)
     exact = exact_joint(target, settings)  # before the caches go: its programs are the case's above
-    monkeypatch.setattr(loop, "tree_rejection_sample", _bonus_from_p_itself)
+    monkeypatch.setattr(loop, "rejection_sample", _rejection_without_residual)
     # One seed's 5000 samples are plenty: this bug scores p < 1e-36 on 2000.
     monkeypatch.setattr(test_spec_sampling, "SEEDS", 1)
     # The broken verifier must be traced into a fresh program, and not left behind for others.

@@ -1,6 +1,7 @@
-"""Verification (jaxspec.spec.verify) on hand-made inputs: greedy acceptance, rejection sampling's
-corner cases, and the eager check of caller-supplied distributions. The statistical proof that
-rejection sampling is lossless runs through the whole loop in test_spec_sampling.py."""
+"""Verification (jaxspec.spec.verify) of chains on hand-made inputs: greedy acceptance, rejection
+sampling's corner cases with a sampled q, and the eager check of caller-supplied distributions.
+Trees, and the statistical proof over exact enumeration, are in test_tree.py; through the whole
+loop in test_spec_sampling.py."""
 
 import chex
 import jax
@@ -10,6 +11,21 @@ import pytest
 
 import jaxspec
 from jaxspec.spec import verify
+
+
+def accept_chain(drafts, num_proposed, logits):
+    """Greedy acceptance of a chain (pending token 0: a chain's root token is never compared)."""
+    batch, k = drafts.shape
+    outcome = verify.greedy_accept(jnp.zeros((batch,), jnp.int32), drafts, verify.chain_parents(batch, k),
+                                   num_proposed, logits, k)
+    return outcome.accepted, outcome.committed
+
+
+def sample_chain(drafts, num_proposed, q, p, key):
+    batch, k = np.shape(drafts)
+    outcome = verify.rejection_sample(jnp.zeros((batch,), jnp.int32), jnp.asarray(drafts),
+                                      verify.chain_parents(batch, k), jnp.asarray(num_proposed), q, p, key, k)
+    return outcome.accepted, outcome.committed
 
 
 class AcceptedPrefixTest(chex.TestCase):
@@ -26,9 +42,10 @@ def test_greedy_accept_by_hand():
     target_tokens = jnp.array([[1, 2, 3], [0, 2, 1], [1, 2, 3]])
     logits = jax.nn.one_hot(target_tokens, 4) * 5.0  # [B, k+1, V]
     drafts = jnp.array([[1, 2], [1, 2], [1, 2]])
-    accepted, committed = verify.greedy_accept(drafts, jnp.array([2, 2, 1]), logits)
+    accepted, committed = accept_chain(drafts, jnp.array([2, 2, 1]), logits)
     chex.assert_trees_all_equal(accepted, jnp.array([2, 0, 1], jnp.int32))
-    chex.assert_trees_all_equal(committed, target_tokens.astype(jnp.int32))
+    # The first n + 1 are the round's: the accepted drafts, then the target's own token after them.
+    assert [row[:n + 1] for row, n in zip(committed.tolist(), accepted.tolist())] == [[1, 2, 3], [0], [1, 2]]
 
 
 def test_rejection_sample_keeps_drafts_that_p_and_q_agree_on():
@@ -36,7 +53,7 @@ def test_rejection_sample_keeps_drafts_that_p_and_q_agree_on():
     drafts = jnp.array([[2, 0]])
     q = jnp.asarray([[[0.1, 0.2, 0.7], [0.5, 0.25, 0.25]]])
     p = jnp.concatenate([q, jnp.asarray([[[0.0, 0.0, 1.0]]])], axis=1)  # the bonus is certain: token 2
-    accepted, committed = verify.rejection_sample(drafts, jnp.array([2]), q, p, jax.random.PRNGKey(0))
+    accepted, committed = sample_chain(drafts, jnp.array([2]), q, p, jax.random.PRNGKey(0))
     assert accepted.tolist() == [2] and committed.tolist() == [[2, 0, 2]]
 
 
@@ -44,8 +61,20 @@ def test_a_draft_the_target_cannot_produce_is_replaced_from_the_residual():
     """p(x) = 0: the point-mass draft is always rejected; the residual is p itself."""
     drafts = jnp.array([[1]])
     p = jnp.asarray([[[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])
-    accepted, committed = verify.rejection_sample(drafts, jnp.array([1]), None, p, jax.random.PRNGKey(3))
+    accepted, committed = sample_chain(drafts, jnp.array([1]), None, p, jax.random.PRNGKey(3))
     assert accepted.tolist() == [0] and committed.tolist() == [[2, 0]]
+
+
+def test_a_sampled_draft_is_replaced_from_the_residual_of_p_and_q():
+    """q puts 0.9 on the draft, p 0.5: rejected half... of the time, then drawn from
+    norm(max(0, p - q)), which here is token 2 alone."""
+    drafts = jnp.array([[0]] * 2000)
+    q = jnp.broadcast_to(jnp.asarray([0.9, 0.1, 0.0]), (2000, 1, 3))
+    p = jnp.broadcast_to(jnp.asarray([[0.45, 0.1, 0.45], [1.0, 0.0, 0.0]]), (2000, 2, 3))
+    accepted, committed = sample_chain(drafts, jnp.full((2000,), 1), q, p, jax.random.PRNGKey(5))
+    accepted, committed = np.asarray(accepted), np.asarray(committed)
+    assert set(committed[accepted == 0, 0].tolist()) == {2}  # the residual: p - q is left on 2 only
+    assert abs(accepted.mean() - 0.5) < 0.05  # kept with p(x) / q(x) = 0.5
 
 
 def _valid_inputs(batch=2, k=2, vocab=5):
@@ -69,11 +98,11 @@ def _valid_inputs(batch=2, k=2, vocab=5):
 def test_bad_distributions_are_refused_with_a_clear_error(corrupt, message):
     drafts, q, p = corrupt(*_valid_inputs())
     with pytest.raises(jaxspec.InvalidRequestError, match=message):
-        verify.rejection_sample(jnp.asarray(drafts), jnp.full((2,), 2), q, p, jax.random.PRNGKey(0))
+        sample_chain(jnp.asarray(drafts), jnp.full((2,), 2), q, p, jax.random.PRNGKey(0))
 
 
 def test_valid_distributions_pass_the_eager_check():
     drafts, q, p = _valid_inputs()
-    accepted, committed = verify.rejection_sample(jnp.asarray(drafts), jnp.full((2,), 2), q, p,
+    accepted, committed = sample_chain(jnp.asarray(drafts), jnp.full((2,), 2), q, p,
                                                   jax.random.PRNGKey(0))
     assert accepted.shape == (2,) and committed.shape == (2, 3)

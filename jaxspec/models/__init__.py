@@ -8,7 +8,7 @@ registered here. Every trunk honours one contract:
             hidden_layers=()) -> (logits [B, P, V], hiddens, cache)
 
 writing the T new tokens at each row's `cache.length` without advancing it; the caller commits
-with `cache.advance(n)` / `cache.set_length(...)` (rollback by length, DESIGN.md contract 2).
+with `cache.advance(n)` / `cache.set_length(...)` (docs/design.md, "One cache protocol, rollback by length").
 
 Params are typed pytrees (`flax.struct` dataclasses, jaxspec.models.params) whose fields carry
 their logical axis names; a family's `param_shapes` and checkpoint tensor trees are the same types.
@@ -52,6 +52,11 @@ def family_of(cfg: Any) -> Family:
         if type(cfg) is family.config_class:
             return family
     raise UnsupportedModelError(f"no trunk family registered for config type {type(cfg).__name__}")
+
+
+def is_trunk(cfg: Any) -> bool:
+    """Whether `cfg` is a registered trunk's config (not a draft head's)."""
+    return any(type(cfg) is family.config_class for family in FAMILIES.values())
 
 
 def family_named(name: str) -> Family:

@@ -37,6 +37,19 @@ class TensorSource:
         return stored if self.transform is None else self.transform(stored)
 
 
+def _any_tree(cfg: Any, depth: int, whose: str) -> None:
+    """Attention-only trunks verify a tree of any depth under its ancestor mask."""
+
+
+def _rolls_back_by_length(cfg: Any, steps: int, recorded: int) -> Any:
+    """Attention caches roll back any distance by setting a length: the config serves as it is."""
+    return cfg
+
+
+def _first_layers(cfg: Any, num_layers: int) -> Any:
+    return dataclasses.replace(cfg, num_layers=num_layers)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Family:
     """One trunk kind: its config, forward and cache, and its checkpoint layouts."""
@@ -63,6 +76,17 @@ class Family:
     gguf_architectures: tuple[str, ...] = ()
     config_from_gguf: Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], Any] | None = None
     gguf_tensors: Callable[[Any, str], Any] | None = None
+    # What speculation may ask of the trunk (the defaults: an attention-only trunk).
+    # check_tree(cfg, depth, whose): raise, naming `whose` ("target", "draft"), where the trunk
+    # cannot verify a draft tree of `depth` (a recurrent layer, a sliding window shorter than it).
+    check_tree: Callable[[Any, int, str], None] = _any_tree
+    # with_rollback(cfg, steps, recorded): the config whose cache can roll back `steps` positions
+    # and records `recorded` positions' states per forward (a recurrent trunk's state ring).
+    with_rollback: Callable[[Any, int, int], Any] = _rolls_back_by_length
+    # Whether a forward may carry filler tokens past the real ones (a backend's token lanes): a
+    # recurrent layer would fold them into its state.
+    takes_filler_tokens: bool = True
+    truncated: Callable[[Any, int], Any] = _first_layers  # (cfg, n) -> the config of its first n layers
 
     def hf_prefix(self, names: Mapping[str, Any] | frozenset[str]) -> str | None:
         """The prefix under which `names` (a directory's tensors) hold this trunk, or None."""

@@ -28,7 +28,7 @@ bidirectional attention. Multimodal configs (`gemma3`, `gemma4`) run their text 
 Layout follows llama.py (weights `[out, in]`, activations feature-major `[D, B*T]`). Norm weights
 are stored as the multiplier: Gemma 3's RMSNorm is zero-centred (x * (1 + w)) and its HF tensor
 map adds the 1 once on load (llama.cpp's GGUF already stores 1 + w); Gemma 4's is x * w as stored.
-Letters: STYLE.md, plus P the per-layer input width.
+Letters: `jaxspec.config.ModelConfig`'s, plus P the per-layer input width.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from flax import struct
 from jaxspec.cache import KVCache, write_kv
 from jaxspec.config import (RopeScaling, _rope_settings, check_sane, check_sizes_and_numerics, count, eos_ids, flag,
                             gguf_eos_ids, gguf_vocab_size, real, from_json_dict, rope_scaling_from_dict, to_json_dict)
-from jaxspec.errors import CheckpointError, UnsupportedModelError
+from jaxspec.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 from jaxspec.models.family import Family, TensorSource
 from jaxspec.models.layers import (AttentionParams, MlpParams, apply_rope, attention_path, gelu_tanh, logits_head,
                                    output_head, qkv_projections, rms_norm, rope_tables, swiglu)
@@ -728,6 +728,15 @@ def config_from_dict(data: Mapping[str, Any]) -> GemmaConfig:
     return from_json_dict(GemmaConfig, data)
 
 
+
+def _check_tree(cfg: GemmaConfig, depth: int, whose: str) -> None:
+    """A sliding-window layer sees a tree node's ancestors only inside its window
+    (`flash_decode.mask_visible` leaves them to the tree mask): the tree must be shallower."""
+    window = cfg.sliding.window
+    if window is not None and depth >= window:
+        raise InvalidRequestError(f"a draft tree of depth {depth} reaches past the {whose}'s sliding window of "
+                                  f"{window} positions; use a depth below {window}")
+
 FAMILY = Family(
     name="gemma",
     config_class=GemmaConfig,
@@ -746,4 +755,6 @@ FAMILY = Family(
     gguf_architectures=GGUF_ARCHITECTURES,
     config_from_gguf=config_from_gguf,
     gguf_tensors=gguf_tensors,
+    check_tree=_check_tree,
+    truncated=GemmaConfig.truncated,
 )

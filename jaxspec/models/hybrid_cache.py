@@ -1,6 +1,6 @@
 """The Qwen3.5 hybrid cache: attention KV and a ring of committed Gated DeltaNet states.
 
-Contract: a `jaxspec.cache.Cache` (rollback by length, DESIGN.md contract 2) for a trunk that
+Contract: a `jaxspec.cache.Cache` (rollback by length, docs/design.md) for a trunk that
 mixes full-attention layers with Gated DeltaNet layers (`jaxspec.models.qwen35`). It stores the
 attention layers' K/V and each DeltaNet layer's conv window and recurrent state, commits what a
 forward left pending, and refuses (`StateRollbackError`) any length it cannot serve. It reads

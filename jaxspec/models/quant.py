@@ -1,6 +1,6 @@
 """Weight formats: float32, bfloat16 and int8 weights, and the one matmul that serves them all.
 
-Contract (DESIGN.md, "weight formats are data"): a weight matrix `[out, in]` is either a float
+Contract (docs/design.md, "Models are pure functions over pytrees"): a weight matrix `[out, in]` is either a float
 array (float32, or bfloat16) or an `Int8Weight` (int8 values and one float32 scale per output
 row). Trunks and heads never branch on the format: every projection is `matmul(w, h)` and every
 embedding lookup is `embedding_rows(table, tokens)`. Which params a format converts is declared

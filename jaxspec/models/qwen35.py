@@ -19,7 +19,7 @@ states and per-position inputs (the chunked form); the commit selects each row's
 
 Layout follows `llama.py`: weights `[out, in]` as HF stores them, activations feature-major
 `[D, B*T]` through the projections; the recurrence runs on `[B, T, heads, dim]`.
-DeltaNet letters (beside STYLE.md's): E value heads (the state's heads), J key heads, X key head
+DeltaNet letters (beside `jaxspec.config.ModelConfig`'s): E value heads (the state's heads), J key heads, X key head
 dim, Y value head dim, C conv channels (2*J*X + E*Y), W conv kernel, R rollback states.
 
 Params: `Qwen35Params` (float32), its layers by cfg.layer_types[i] a `FullAttentionLayer`
@@ -73,7 +73,7 @@ class LayerType(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Qwen35Config:
-    """Shape and numerics of a Qwen3.5 hybrid trunk. Letters: STYLE.md plus the module docstring."""
+    """Shape and numerics of a Qwen3.5 hybrid trunk. Letters: `jaxspec.config.ModelConfig`'s plus the module docstring."""
 
     vocab_size: int  # V
     dim: int  # D
@@ -515,6 +515,19 @@ def config_from_dict(data: Mapping[str, Any]) -> Qwen35Config:
     return from_json_dict(Qwen35Config, data, layer_types=lambda kinds: tuple(LayerType(kind) for kind in kinds))
 
 
+
+def _refuse_trees(cfg: Qwen35Config, depth: int, whose: str) -> None:
+    """A DeltaNet layer keeps one recurrent state per position, and a tree's siblings share one."""
+    raise UnsupportedModelError(
+        f"the {whose} is a Qwen3.5 hybrid: its DeltaNet layers carry one recurrent state per position, "
+        f"not per tree node, so draft trees are not supported; use a chain (tree=None)")
+
+
+def _with_rollback_ring(cfg: Qwen35Config, steps: int, recorded: int) -> Qwen35Config:
+    """A config whose state ring holds `steps` states back and whose forwards record `recorded`."""
+    return dataclasses.replace(cfg, rollback_states=max(cfg.rollback_states, steps),
+                               recorded_steps=max(cfg.recorded_steps, recorded))
+
 FAMILY = Family(
     name="qwen3_5",
     config_class=Qwen35Config,
@@ -530,4 +543,7 @@ FAMILY = Family(
     param_shapes=param_shapes,
     config_to_dict=config_to_dict,
     config_from_dict=config_from_dict,
+    check_tree=_refuse_trees,
+    with_rollback=_with_rollback_ring,
+    takes_filler_tokens=False,
 )

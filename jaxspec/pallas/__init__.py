@@ -1,4 +1,4 @@
-"""Pallas kernels, each beside its float32 jnp reference (DESIGN.md contract 9).
+"""Pallas kernels, each beside its float32 jnp reference (docs/design.md, "Kernels beside references").
 
     flash_decode.py  attention of T = 1 (decode) or k+1 (verify) queries per row over the cache
     kv_quant.py      KV storage formats (f32, bf16, ggml q8_0 / q5_1) and quantize-on-write

@@ -2,7 +2,7 @@
 
 A block format cuts each head vector [H] into H/32 blocks of 32 values along H, so a token's
 K (or V) is quantized on its own: writing it never touches its neighbours, and rollback by
-length stays a length (DESIGN.md contract 2).
+length stays a length (docs/design.md, "One cache protocol, rollback by length").
 
     q8_0: per block one float16 scale d and 32 int8 codes q; x = d * q.
           34 bytes per 32 values (ggml `block_q8_0`).

@@ -2,10 +2,10 @@
 
 A small draft head is weakest exactly where the text copies earlier text (a name, a quoted span,
 code being edited): it predicts the next token from features, not by pointing back. Prompt
-lookup is the opposite: free, often right where its n-gram matches, silent elsewhere. Measured
-teacher-forced on the shipped SmolLM2 head (bench/head_agreement.py), the first draft agrees
-with the target 0.33 -> 0.45 of the time on MT-bench answers when a 3-gram match's continuation
-replaces the head's draft (docs/design.md).
+lookup is the opposite: free, often right where its n-gram matches, silent elsewhere. Teacher-
+forced on the shipped SmolLM2 head, the first draft agrees with the target more often when a
+3-gram match's continuation replaces the head's draft (bench/RESULTS.md, "Head agreement";
+docs/design.md, "Methods, proposers and the options of a request").
 
 `LookupFirst` runs both every round and decides per row, with `jnp.where`s: in a chain, a row
 whose last n tokens (n >= the lookup's `ngram_min`) occurred earlier in its context drafts the
@@ -29,13 +29,15 @@ rejection sampling is exact for each row's own q.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
+from jaxspec.errors import InvalidRequestError
 from jaxspec.spec import tree as tree_lib
-from jaxspec.spec.proposers import Context, Prefill, Proposal, Proposer, PromptLookup, Verified
+from jaxspec.spec.drafters.ngram import PromptLookup
+from jaxspec.spec.proposers import Context, Prefill, Proposal, Proposer, Verified
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,11 +51,11 @@ class LookupFirst:
 
     lookup: PromptLookup
     model: Proposer
-    can_abstain: bool = False  # the model always drafts
+    can_abstain: ClassVar[bool] = False  # the model always drafts
 
     def __post_init__(self):
         if self.lookup.num_draft != self.model.num_draft or self.lookup.tree is not None:
-            raise ValueError("LookupFirst's lookup must draft a chain of the model's k (a tree's depth)")
+            raise InvalidRequestError("LookupFirst's lookup must draft a chain of the model's k (a tree's depth)")
 
     @property
     def num_draft(self) -> int:
@@ -61,7 +63,7 @@ class LookupFirst:
 
     @property
     def tree(self):
-        return getattr(self.model, "tree", None)
+        return self.model.tree
 
     @property
     def name(self) -> str:
@@ -73,7 +75,7 @@ class LookupFirst:
 
     @property
     def context_limit(self) -> tuple[str, int] | None:
-        return getattr(self.model, "context_limit", None)
+        return self.model.context_limit
 
     def draft_inputs(self, target_params, draft_model_params):
         return self.model.draft_inputs(target_params, draft_model_params)

@@ -1,16 +1,15 @@
-"""The on-device generation loop (DESIGN.md contracts 2-6).
+"""The on-device generation loop (docs/design.md, "One target forward per round; the loop on device").
 
-`run` is one jitted program: prefill, then a `lax.while_loop` of rounds until every row is done
-(EOS or a stop sequence, max_new_tokens, cache capacity); no host round trip per round. A round
-is draft -> verify -> accept -> commit: the proposer drafts k tokens, the target scores
-`[pending, d_1 .. d_k]` in one forward (T = k+1), each row accepts its own n, the cache advances
-by n + 1 and the bonus token becomes the next pending one. Plain decoding is the same round with
-no proposer (k = 0). With a draft tree (`jaxspec.spec.tree`) the proposer drafts N nodes, the
-target scores `[pending] + N` under the tree's ancestor mask, each row accepts a root-to-node
-path of n <= depth nodes, and the path's K/V are gathered into contiguous slots before the
-cache advances; from there the round goes on exactly as a chain's. `generate` runs `prefill`
-and `decode` as two jitted calls (the host times each); the streaming path calls `prefill` and
-then `stream_step` (a round plus the tokens it committed) from a Python loop.
+Generation is two jitted programs, `prefill` then `decode` (the host times each): `decode` is a
+`lax.while_loop` of rounds until every row is done (EOS or a stop sequence, max_new_tokens, cache
+capacity), with no host round trip per round. A round is draft -> verify -> accept -> commit: the
+proposer drafts a tree of N nodes (a chain of k is the tree whose node v follows v - 1), the
+target scores `[pending] + N` in one forward (T = N + 1; a tree under its ancestor mask), each
+row accepts a root-to-node path of n tokens (jaxspec.spec.verify, one rule for both), a tree's
+path K/V are gathered into contiguous slots, the cache advances by n + 1 and the bonus token
+becomes the next pending one. Plain decoding is the same round with no proposer (N = 0). The
+streaming path calls `prefill` and then `stream_step` (a round plus the tokens it committed) from
+a Python loop.
 
 Under constrained decoding (`Request.grammar`, jaxspec.grammar) each row carries its automaton
 state; a verify masks position i's logits by the state d_1 .. d_i reach (so greedy acceptance and
@@ -26,6 +25,8 @@ Invariant for a running row, with h = prompt_length + num_generated tokens of co
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -35,16 +36,16 @@ from jaxspec.compilation import full_precision_products
 from jaxspec.cache import Cache, KVFormat
 from jaxspec.config import ModelConfig
 from jaxspec.grammar import DEAD, GrammarTable
-from jaxspec.models.qwen35 import Qwen35Config
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, log_probs, masked, repeat_rows, select
 from jaxspec.sharding import Plan, to_host
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.proposers import Context, Prefill, Proposal, Proposer, Verified
 from jaxspec.spec.tree import DraftTree
-from jaxspec.spec.verify import accepted_prefix_length, greedy_accept, positional_seen, rejection_sample
+from jaxspec.spec.verify import accepted_prefix_length, chain_parents, greedy_accept, positional_seen
+from jaxspec.spec import verify
 
-# Tree acceptance, by name here so a test can swap in a broken verifier (tests/test_tree_sampling.py).
-tree_rejection_sample = tree_lib.rejection_sample
+# Sampled acceptance, by name here so a test can swap in a broken verifier (tests/test_spec_sampling.py).
+rejection_sample = verify.rejection_sample
 
 # finish_reason codes (int32 on device); FINISH_NAMES maps them for the host.
 RUNNING, FINISH_STOP, FINISH_LENGTH, FINISH_CAPACITY = 0, 1, 2, 3
@@ -55,7 +56,7 @@ FINISH_NAMES = {RUNNING: None, FINISH_STOP: "stop", FINISH_LENGTH: "length", FIN
 class LoopSpec:
     """Everything static about a generation call: changing any of it recompiles."""
 
-    cfg: ModelConfig | Qwen35Config  # the target trunk's config (any registered family)
+    cfg: Any  # the target trunk's config (any registered family)
     capacity: int  # S: cache slots and token-history length per row
     sampler: SamplerSpec
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stops, matched on device
@@ -89,16 +90,11 @@ class LoopSpec:
 
     @property
     def tree(self) -> DraftTree | None:
-        return getattr(self.proposer, "tree", None)
+        return None if self.proposer is None else self.proposer.tree
 
     @property
     def round_width(self) -> int:
-        """Cache slots a round may write past a row's length: the verify's k + 1 (a tree's
-        1 + num_nodes) padded to the token lanes at batch 1 (the most), or a tree drafter's
-        scratch slots, whichever reaches further."""
-        if self.tree is None:
-            return padded_tokens(self.num_draft + 1, 1, self.token_lanes)
-        return max(padded_tokens(1 + self.tree.num_nodes, 1, self.token_lanes), 1 + self.tree.scratch_slots)
+        return round_width(self.proposer, self.token_lanes)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:  # what the proposer reads from each target forward
@@ -271,13 +267,24 @@ def commit_tokens(state: DecodeState, new_tokens: jax.Array, counts: jax.Array,
                          grammar_state=grammar_state, logprobs=history_logprobs)
 
 
-def _walk(grammar: GrammarTable, start: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The automaton states along each row's tokens: start int32[B], tokens int32[B, T] ->
-    int32[B, T+1], the start and the state after each token (a forbidden one leads to DEAD)."""
-    states = [start]
-    for step in range(tokens.shape[1]):
-        states.append(grammar.advance(states[-1], tokens[:, step]))
-    return jnp.stack(states, axis=1)
+def _walk(grammar: GrammarTable, start: jax.Array, tokens: jax.Array, parents: jax.Array | None = None) -> jax.Array:
+    """The automaton states along a draft: start int32[B] (the root's state), tokens int32[B, N]
+    and their parents int32[B, N] (verify indices, parents first; None: a chain, each token after
+    the one before) -> int32[B, 1+N], the root's state and each token's after its path (a
+    forbidden token leads to DEAD)."""
+    batch, size = tokens.shape
+    if size == 0:  # a plain step's empty draft
+        return start[:, None]
+    parents = chain_parents(batch, size) if parents is None else parents
+    states = jnp.zeros((batch, size + 1), jnp.int32).at[:, 0].set(start)
+
+    def node(v, states):  # node v's parent has its state already
+        parent = jax.lax.dynamic_index_in_dim(parents, v - 1, axis=1, keepdims=True)  # [B, 1]
+        parent_state = jnp.take_along_axis(states, parent, axis=1)[:, 0]
+        token = jax.lax.dynamic_index_in_dim(tokens, v - 1, axis=1, keepdims=False)  # [B]
+        return states.at[:, v].set(grammar.advance(parent_state, token))
+
+    return jax.lax.fori_loop(1, size + 1, node, states)
 
 
 def _token_logprobs(logits: jax.Array, tokens: jax.Array, seen: jax.Array | None, request: Request,
@@ -302,6 +309,16 @@ def padded_tokens(tokens: int, batch: int, lanes: int) -> int:
     while batch * padded % lanes:
         padded += 1
     return padded
+
+
+def round_width(proposer: Proposer | None, token_lanes: int) -> int:
+    """Cache slots a round may write past a row's length: the verify's k + 1 (a tree's
+    1 + num_nodes) padded to the token lanes at batch 1 (the most), or a tree drafter's scratch
+    slots, whichever reaches further."""
+    tree = None if proposer is None else proposer.tree
+    if tree is None:
+        return padded_tokens((0 if proposer is None else proposer.num_draft) + 1, 1, token_lanes)
+    return max(padded_tokens(1 + tree.num_nodes, 1, token_lanes), 1 + tree.scratch_slots)
 
 
 def _check_capacity(state: DecodeState, spec: LoopSpec) -> DecodeState:
@@ -407,8 +424,17 @@ class Outcome:
     committed: jax.Array  # int32[B, k+1]: n drafts, the bonus token, padding
     hiddens: tuple[jax.Array, ...]  # the proposer's target features at the committed positions, [B, k+1, D]
     cache: Cache  # advanced by each running row's n + 1
-    path: jax.Array | None = None  # int32[B, k+1]: a tree's accepted verify indices (root first)
+    path: jax.Array  # int32[B, k+1]: the accepted verify indices (root first; a chain's are 0 .. n)
     logprobs: TokenLogprobs | None = None  # of the committed tokens [B, k+1], when LoopSpec.logprobs is set
+
+    def padded_to(self, steps: int) -> "Outcome":
+        """Padded along the round's positions to `steps` (a plain step's one, as a round of k + 1)."""
+        def pad(x):
+            return jnp.pad(x, ((0, 0), (0, steps - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+        return self.replace(committed=pad(self.committed), hiddens=tuple(pad(h) for h in self.hiddens),
+                            path=pad(self.path), logprobs=None if self.logprobs is None else self.logprobs.padded_to(steps))
+
 
 
 def _filler(tokens: jax.Array, spec: LoopSpec) -> tuple[jax.Array, jax.Array | None]:
@@ -424,34 +450,75 @@ def _filler(tokens: jax.Array, spec: LoopSpec) -> tuple[jax.Array, jax.Array | N
 
 def _verify(params, state: DecodeState, request: Request, spec: LoopSpec, proposal: Proposal,
             key: jax.Array) -> Outcome:
-    """Score [pending, d_1 .. d_w] in one target forward (T = w + 1) and accept per row.
+    """Score the pending token and the draft in one target forward and accept per row.
 
-    The cache comes back advanced by each running row's accepted + 1 (the rest rolled back by
-    length; a hybrid cache selects its recorded state). w = 0 is a plain step.
+    A proposer that can abstain (prompt lookup without a match) may leave every running row
+    without a draft: that round scores the pending token alone (width 0, a plain step), since a
+    forward over nothing but filler costs several times a T = 1 step. Both commit the same token:
+    with no draft the bonus is the target's own next token, from the same p. The outputs are padded
+    to the full round's shape; the caches match because both commit them (a hybrid cache's pending
+    per-position states differ in shape with T; committed, they do not).
+    """
+    if not (spec.proposer is not None and spec.proposer.can_abstain and spec.num_draft):
+        return _score(params, state, request, spec, proposal, key)
+
+    def nothing_to_verify(_):
+        empty = Proposal(drafts=proposal.drafts[:, :0], num_proposed=jnp.zeros_like(proposal.num_proposed))
+        return _score(params, state, request, spec, empty, key).padded_to(spec.num_draft + 1)
+
+    anything_to_verify = jnp.any((proposal.num_proposed > 0) & state.running)
+    return jax.lax.cond(anything_to_verify, lambda _: _score(params, state, request, spec, proposal, key),
+                        nothing_to_verify, None)
+
+
+def _score(params, state: DecodeState, request: Request, spec: LoopSpec, proposal: Proposal,
+           key: jax.Array) -> Outcome:
+    """One verify forward over [pending] + the draft's N nodes, and acceptance (jaxspec.spec.verify).
+
+    A chain (`proposal.parents` None: node v's parent is v - 1) runs under the trunk's own causal
+    mask. A tree runs under its ancestor mask (node v at slot length + v, RoPE position
+    length + depth(v)), and its accepted path's K/V are then gathered into slots length ..
+    length + n. The cache comes back advanced by each running row's n + 1 (the rest rolled back by
+    length; a hybrid cache selects its recorded state).
     """
     drafts, num_proposed = proposal.drafts, proposal.num_proposed
     batch, width = drafts.shape
-    verify_tokens, logit_indices = _filler(jnp.concatenate([state.pending[:, None], drafts], axis=1), spec)
+    is_tree = proposal.parents is not None
+    parents = proposal.parents if is_tree else chain_parents(batch, width)
+    depth = spec.tree.depth if is_tree else width
+    size = width + 1
+    tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, 1+N]
+    verify_tokens, logit_indices = _filler(tokens, spec)
+    tree_inputs = {}
+    if is_tree:
+        steps = verify_tokens.shape[1]
+        depths = jnp.pad(tree_lib.node_depths(parents, depth), ((0, 0), (0, steps - size)))
+        tree_inputs = dict(positions=state.cache.length[:, None] + depths,
+                           tree_mask=tree_lib.verify_mask(parents, depth, state.cache.length, steps))
     logits, hiddens, cache = models.forward(params, spec.cfg, verify_tokens, state.cache, logit_indices=logit_indices,
-                                            hidden_layers=spec.hidden_layers, **spec.forward_options)
-    hiddens = tuple(h[:, :width + 1] for h in hiddens)
+                                            hidden_layers=spec.hidden_layers, **tree_inputs, **spec.forward_options)
+    logits = logits[:, :size]  # [B, 1+N, V]
     if request.grammar is not None:
-        # Position i is scored after d_1 .. d_i: it is masked by the state those drafts reach.
-        logits = masked(logits, request.grammar.allowed(_walk(request.grammar, state.grammar_state, drafts)))
-    # Each position's repetition-penalty context counts the drafts before it.
-    seen = None if state.seen is None else positional_seen(state.seen, drafts)  # [B, w+1, V]
-    if width == 0:
-        committed = select(logits[:, 0], request.sampling, spec.sampler, key, state.seen)[:, None]
-        accepted = jnp.zeros((batch,), jnp.int32)
-    elif spec.sampler.greedy and not spec.sampler.repetition_penalty:
-        accepted, committed = greedy_accept(drafts, num_proposed, logits)
-    else:
-        # p at every position. Greedy rows are point masses: the same rule is exact.
-        target_probs = _target_probs(logits, seen, request, spec)
-        accepted, committed = rejection_sample(drafts, num_proposed, proposal.probs, target_probs, key)
-    logprobs = None if spec.logprobs is None else _token_logprobs(logits, committed, seen, request, spec)
-    return Outcome(accepted=accepted, committed=committed, hiddens=hiddens,
-                   cache=cache.advance(jnp.where(state.running, accepted + 1, 0)), logprobs=logprobs)
+        # Node v is scored after its path: masked by the state the path reaches. A node the
+        # grammar forbids is never accepted (the masked target gives it p = 0), nor anything below it.
+        logits = masked(logits, request.grammar.allowed(_walk(request.grammar, state.grammar_state, drafts, parents)))
+    # Each position's repetition-penalty context counts the drafts on its path.
+    seen = None if state.seen is None else positional_seen(state.seen, tokens,
+                                                           tree_lib.ancestor_mask(parents, depth))  # [B, 1+N, V]
+    if spec.sampler.greedy and not spec.sampler.repetition_penalty:
+        outcome = greedy_accept(state.pending, drafts, parents, num_proposed, logits, depth)
+    else:  # greedy rows are point masses: the same rule is exact
+        outcome = rejection_sample(state.pending, drafts, parents, num_proposed, proposal.probs,
+                                   _target_probs(logits, seen, request, spec), key, depth)
+    hiddens = tuple(tree_lib.gather_path(h[:, :size], outcome.path) for h in hiddens)
+    if is_tree:  # a chain's path is its first n + 1 slots already
+        cache = cache.commit_path(outcome.path)
+    logprobs = None
+    if spec.logprobs is not None:  # each committed token's distribution is its parent's on the path
+        logprobs = _token_logprobs(tree_lib.gather_path(logits, outcome.path), outcome.committed,
+                                   None if seen is None else tree_lib.gather_path(seen, outcome.path), request, spec)
+    return Outcome(accepted=outcome.accepted, committed=outcome.committed, hiddens=hiddens, path=outcome.path,
+                   cache=cache.advance(jnp.where(state.running, outcome.accepted + 1, 0)), logprobs=logprobs)
 
 
 def _target_probs(logits: jax.Array, seen: jax.Array | None, request: Request, spec: LoopSpec) -> jax.Array:
@@ -461,88 +528,6 @@ def _target_probs(logits: jax.Array, seen: jax.Array | None, request: Request, s
     seen = None if seen is None else seen.reshape(batch * steps, vocab)
     probs = distribution(logits.reshape(batch * steps, vocab), repeat_rows(request.sampling, steps), spec.sampler, seen)
     return probs.reshape(batch, steps, vocab)
-
-
-def _verify_tree(params, state: DecodeState, request: Request, spec: LoopSpec, proposal: Proposal,
-                 key: jax.Array) -> Outcome:
-    """Score [pending] + N tree nodes in one target forward under the tree's ancestor mask
-    (node v at slot length + v, RoPE position length + depth(v)), accept a root-to-node path per
-    row, and gather the path's K/V into slots length .. length + n before advancing by n + 1."""
-    tree = spec.tree
-    drafts, parents, num_proposed = proposal.drafts, proposal.parents, proposal.num_proposed
-    size = drafts.shape[1] + 1
-    tokens = jnp.concatenate([state.pending[:, None], drafts], axis=1)  # [B, 1+N]
-    verify_tokens, logit_indices = _filler(tokens, spec)
-    steps = verify_tokens.shape[1]
-    depths = jnp.pad(tree_lib.node_depths(parents, tree.depth), ((0, 0), (0, steps - size)))
-    logits, hiddens, cache = models.forward(
-        params, spec.cfg, verify_tokens, state.cache, positions=state.cache.length[:, None] + depths,
-        tree_mask=tree_lib.verify_mask(parents, tree.depth, state.cache.length, steps), logit_indices=logit_indices,
-        hidden_layers=spec.hidden_layers, **spec.forward_options)
-    logits = logits[:, :size]  # [B, 1+N, V]
-    if request.grammar is not None:
-        # Node v is scored after its path: masked by the state the path reaches. A node the
-        # grammar forbids is never accepted (the masked target gives it p = 0), nor anything below it.
-        logits = masked(logits, request.grammar.allowed(_tree_walk(request.grammar, state.grammar_state, tokens,
-                                                                    parents)))
-    seen = None if state.seen is None else tree_lib.positional_seen(
-        state.seen, tokens, tree_lib.ancestor_mask(parents, tree.depth))  # [B, 1+N, V]
-    if spec.sampler.greedy and not spec.sampler.repetition_penalty:
-        outcome = tree_lib.greedy_accept(state.pending, drafts, parents, num_proposed, logits, tree.depth)
-    else:
-        outcome = tree_rejection_sample(state.pending, drafts, parents, num_proposed,
-                                        _target_probs(logits, seen, request, spec), key, tree.depth)
-    hiddens = tuple(tree_lib.gather_path(h[:, :size], outcome.path) for h in hiddens)
-    cache = cache.commit_path(outcome.path).advance(jnp.where(state.running, outcome.accepted + 1, 0))
-    logprobs = None
-    if spec.logprobs is not None:  # each committed token's distribution is its parent's on the path
-        logprobs = _token_logprobs(tree_lib.gather_path(logits, outcome.path), outcome.committed,
-                                   None if seen is None else tree_lib.gather_path(seen, outcome.path), request, spec)
-    return Outcome(accepted=outcome.accepted, committed=outcome.committed, hiddens=hiddens, cache=cache,
-                   path=outcome.path, logprobs=logprobs)
-
-
-def _tree_walk(grammar: GrammarTable, start: jax.Array, tokens: jax.Array, parents: jax.Array) -> jax.Array:
-    """Each tree node's automaton state after its path: start int32[B] (after pending), tokens
-    int32[B, 1+N] (pending, then the nodes), parents int32[B, N] (verify indices, parents before
-    children) -> int32[B, 1+N]."""
-    batch, size = tokens.shape
-    states = jnp.zeros((batch, size), jnp.int32).at[:, 0].set(start)
-
-    def node(v, states):  # node v's parent has its state already
-        parent = jax.lax.dynamic_index_in_dim(parents, v - 1, axis=1, keepdims=True)  # [B, 1]
-        parent_state = jnp.take_along_axis(states, parent, axis=1)[:, 0]
-        token = jax.lax.dynamic_index_in_dim(tokens, v, axis=1, keepdims=False)  # [B]
-        return states.at[:, v].set(grammar.advance(parent_state, token))
-
-    return jax.lax.fori_loop(1, size, node, states)
-
-
-def _verify_or_step(verify, params, state: DecodeState, request: Request, spec: LoopSpec, proposal: Proposal,
-                    key) -> Outcome:
-    """`verify` at full width, or, in a round where no running row has a draft, a plain T = 1
-    step: a verify with nothing to verify costs up to 2-3x a T = 1 forward on a CPU (see
-    bench/RESULTS.md), and a proposer that can abstain (prompt lookup without a match) would
-    pay it every such round. Both branches commit the same token: with no drafts the bonus is
-    the target's own next token, drawn from the same p. Outputs are padded to the k + 1 shape;
-    the caches match because both commit them (a hybrid cache's pending per-position states
-    differ in shape with T; committed, they do not)."""
-    k = spec.num_draft
-
-    def full(_):
-        return verify(params, state, request, spec, proposal, key)
-
-    def single(_):
-        nothing = Proposal(drafts=proposal.drafts[:, :0], num_proposed=proposal.num_proposed)
-        outcome = _verify(params, state, request, spec, nothing, key)
-        return outcome.replace(
-            committed=jnp.pad(outcome.committed, ((0, 0), (0, k))),
-            hiddens=tuple(jnp.pad(h, ((0, 0), (0, k), (0, 0))) for h in outcome.hiddens),
-            path=None if spec.tree is None else jnp.zeros((proposal.drafts.shape[0], k + 1), jnp.int32),
-            logprobs=None if outcome.logprobs is None else outcome.logprobs.padded_to(k + 1))
-
-    anything_to_verify = jnp.any((proposal.num_proposed > 0) & state.running)
-    return jax.lax.cond(anything_to_verify, full, single, None)
 
 
 def round_step(params, draft_params, state: DecodeState, request: Request, spec: LoopSpec) -> DecodeState:
@@ -559,15 +544,11 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
     else:
         proposal = Proposal(drafts=jnp.zeros((batch, 0), jnp.int32), num_proposed=jnp.zeros((batch,), jnp.int32))
 
-    if request.grammar is not None and spec.tree is None and proposal.probs is None:
+    if request.grammar is not None and proposal.parents is None and proposal.probs is None:
         proposal = _cut_to_grammar(proposal, state, request)
     running = state.running
-    verify = _verify if spec.tree is None else _verify_tree
     with jax.named_scope("verify"):
-        if k > 0 and getattr(spec.proposer, "can_abstain", False):
-            outcome = _verify_or_step(verify, params, state, request, spec, proposal, verify_key)
-        else:
-            outcome = verify(params, state, request, spec, proposal, verify_key)
+        outcome = _verify(params, state, request, spec, proposal, verify_key)
     accepted = outcome.accepted
     num_committed = jnp.where(running, accepted + 1, 0)
     if spec.proposer is not None:
@@ -575,10 +556,10 @@ def round_step(params, draft_params, state: DecodeState, request: Request, spec:
                             hiddens=outcome.hiddens, path=outcome.path)
         proposer_state = spec.proposer.update(draft_params, proposer_state, verified)
     num_proposed = proposal.num_proposed
-    reach = num_proposed
-    if spec.tree is not None:  # the deepest real node
+    reach = num_proposed  # a chain's deepest real node; a tree's:
+    if proposal.parents is not None:
         depths = tree_lib.node_depths(proposal.parents, spec.tree.depth)[:, 1:]
-        reach = jnp.max(jnp.where(jnp.arange(depths.shape[1])[None, :] < proposal.num_proposed[:, None], depths, 0),
+        reach = jnp.max(jnp.where(jnp.arange(depths.shape[1])[None, :] < num_proposed[:, None], depths, 0),
                         axis=1, initial=0)
     state = state.replace(
         cache=outcome.cache, key=key, proposer_state=proposer_state,
@@ -630,12 +611,6 @@ def decode(params, draft_params, state: DecodeState, request: Request, spec: Loo
     )
 
 
-def run(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
-    """Prefill and decode to completion as one program (`generate` runs the two as two jitted
-    calls, so the host can time each)."""
-    return decode(params, draft_params, prefill(params, draft_params, request, spec), request, spec)
-
-
 def generated_tokens(state: DecodeState, rows: int) -> list[list[int]]:
     """Each of the first `rows` rows' generated ids, copied to the host (gathered from every
     process under a multi-host mesh)."""
@@ -648,5 +623,4 @@ def generated_tokens(state: DecodeState, rows: int) -> list[list[int]]:
 # Each traces with float32 products at full precision (jaxspec.compilation, Numerics).
 prefill_jit = jax.jit(full_precision_products(prefill), static_argnames=("spec",))
 decode_jit = jax.jit(full_precision_products(decode), static_argnames=("spec",), donate_argnames=("state",))
-run_jit = jax.jit(full_precision_products(run), static_argnames=("spec",))
 stream_step_jit = jax.jit(full_precision_products(stream_step), static_argnames=("spec",), donate_argnames=("state",))

@@ -1,4 +1,4 @@
-"""Draft trees (EAGLE-2): the tree a proposer grows, the mask a verify runs under, and acceptance.
+"""Draft trees (EAGLE-2): the tree a proposer grows and the mask a verify runs under.
 
 A round with a tree verifies `[pending] + N` tokens in one target forward. Tokens are addressed
 by their verify index v in 0..N: v = 0 is the pending token (the root), v >= 1 is tree node v,
@@ -8,24 +8,13 @@ the proposal's `drafts[:, v - 1]`. Every row has the same N (fixed shapes) and g
     parents  int32[B, N]  node v's parent's verify index, in [0, v): parents come before children
     valid    node v is real iff v <= num_proposed[b]; padding nodes are never accepted
 
-Node v sits in cache slot `length + v` with RoPE position `length + depth(v)`, and attends to
-the committed context and to its ancestors and itself (`ancestor_mask`, `verify_mask`). Siblings
-grown by a drafter carry distinct tokens; a lookup chain grafted onto the tree (`graft_chain`)
-may rarely repeat one (a sibling it did not follow may survive the graft). Both acceptance rules
-allow for that: greedy keeps the deepest matching path, whose tokens are plain greedy's whichever
-copy it runs through, and sampling tries a repeated token only after its first copy was
-rejected, with that token's p already removed, so never keeps it.
-
-Acceptance walks down from the root. Greedy (`greedy_accept`) takes the longest root-to-node path
-whose every token is the target's argmax at its parent: only children carrying that one token can
-match (one, but for a grafted repeat), so the path's tokens are exactly plain greedy's. Sampling
-(`rejection_sample`) is multi-draft verification for point-mass drafts (SpecInfer, EAGLE's
-`evaluate_posterior`): at the current node with target distribution p, its children x_1, x_2, ...
-are tried in order, x_j accepted with probability p'(x_j) where p' is p with the siblings already
-rejected removed and renormalised; if all are rejected the next token is drawn from p with every
-child removed. This draws each step's token exactly from p (P(x_1) = p(x_1), P(x_2) = (1 - p(x_1))
-p(x_2) / (1 - p(x_1)), ...), so the output is distributed as the target's own sampling. Tree drafts
-are therefore always deterministic: a drafter's top_k children, never samples.
+A chain of k is the tree whose node v has parent v - 1. Node v sits in cache slot `length + v`
+with RoPE position `length + depth(v)`, and attends to the committed context and to its
+ancestors and itself (`ancestor_mask`, `verify_mask`). Siblings grown by a drafter carry distinct
+tokens; a lookup chain grafted onto the tree (`graft_chain`) may rarely repeat one (a sibling it
+did not follow may survive the graft), which acceptance (`jaxspec.spec.verify`, one rule for
+chains and trees) allows for. Tree drafts are deterministic: a drafter's top_k children, never
+samples, as multi-draft verification needs point masses.
 
 After acceptance the path (at most depth + 1 verify indices) is all the loop keeps: its tokens are
 committed, its hiddens feed the proposer, and its K/V are gathered into contiguous slots
@@ -139,10 +128,10 @@ def ancestor_mask(parents: jax.Array, depth: int) -> jax.Array:
 
 def node_depths(parents: jax.Array, depth: int) -> jax.Array:
     """int32[B, 1+N]: each verify index's depth (the root 0)."""
-    return _depths(ancestor_mask(parents, depth))
+    return depths_of(ancestor_mask(parents, depth))
 
 
-def _depths(ancestors: jax.Array) -> jax.Array:
+def depths_of(ancestors: jax.Array) -> jax.Array:
     """int32[B, 1+N] depths from an ancestor mask: a node's ancestors-or-self, less itself."""
     return jnp.sum(ancestors, axis=-1).astype(jnp.int32) - 1
 
@@ -161,106 +150,6 @@ def gather_path(values: jax.Array, path: jax.Array) -> jax.Array:
     """values [B, 1+N, ...] at the path's verify indices int32[B, P] -> [B, P, ...]."""
     index = path.reshape(path.shape + (1,) * (values.ndim - 2))
     return jnp.take_along_axis(values, index, axis=1)
-
-
-def _accepted_at(node: jax.Array, bonus: jax.Array, tokens: jax.Array, ancestors: jax.Array,
-                 depth: int) -> "Accepted":
-    """A round that accepted the path from the root down to `node` int32[B], then `bonus` int32[B].
-
-    tokens: int32[B, 1+N] (the root's is pending); ancestors: bool[B, 1+N, 1+N]. The path's
-    entries past the node's depth repeat the root (0) and are never read.
-    """
-    depths = _depths(ancestors)  # [B, 1+N]
-    accepted = jnp.take_along_axis(depths, node[:, None], axis=1)[:, 0]  # [B]
-    on_path = jnp.take_along_axis(ancestors, node[:, None, None], axis=1)[:, 0]  # [B, 1+N]
-    at_depth = on_path[:, None, :] & (depths[:, None, :] == jnp.arange(depth + 1)[None, :, None])
-    path = jnp.argmax(at_depth, axis=-1).astype(jnp.int32)  # [B, depth+1]
-    path_tokens = jnp.take_along_axis(tokens, path, axis=1)  # [B, depth+1]
-    committed = jnp.concatenate([path_tokens[:, 1:], jnp.zeros_like(path_tokens[:, :1])], axis=1)
-    committed = jnp.where(jnp.arange(depth + 1)[None, :] == accepted[:, None], bonus[:, None], committed)
-    return Accepted(accepted=accepted, committed=committed, path=path)
-
-
-# ----------------------------------------------------------------------------------------------
-# Acceptance
-# ----------------------------------------------------------------------------------------------
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Accepted:
-    """One round's outcome on a tree, in chain form for the rest of the loop."""
-
-    accepted: jax.Array  # int32[B]: n, the tree nodes accepted (the path's depth)
-    committed: jax.Array  # int32[B, depth+1]: the path's n tokens, then the bonus token
-    path: jax.Array  # int32[B, depth+1]: verify indices root .. accepted node; padding past n
-
-
-def greedy_accept(pending: jax.Array, drafts: jax.Array, parents: jax.Array, num_proposed: jax.Array,
-                  target_logits: jax.Array, depth: int) -> Accepted:
-    """The longest path of target argmaxes. target_logits: [B, 1+N, V] at every verify index."""
-    tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, 1+N]
-    all_parents = with_root(parents)
-    argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, 1+N]
-    valid = jnp.arange(tokens.shape[1])[None, :] <= num_proposed[:, None]
-    matches = valid & (tokens == jnp.take_along_axis(argmax, all_parents, axis=1))
-    matches = matches.at[:, 0].set(True)
-    ancestors = ancestor_mask(parents, depth)
-    # A node is on an accepted path iff it and all its ancestors match.
-    reachable = jnp.all(ancestors <= matches[:, None, :], axis=-1)  # [B, 1+N]
-    deepest = jnp.argmax(jnp.where(reachable, _depths(ancestors), -1), axis=1).astype(jnp.int32)  # [B]
-    bonus = jnp.take_along_axis(argmax, deepest[:, None], axis=1)[:, 0]
-    return _accepted_at(deepest, bonus, tokens, ancestors, depth)
-
-
-def rejection_sample(pending: jax.Array, drafts: jax.Array, parents: jax.Array, num_proposed: jax.Array,
-                     target_probs: jax.Array, key: jax.Array, depth: int) -> Accepted:
-    """Lossless multi-draft sampling over point-mass siblings (see the module docstring).
-
-    target_probs: p [B, 1+N, V], the target's processed distribution at every verify index.
-    """
-    batch, size = pending.shape[0], drafts.shape[1] + 1
-    tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, 1+N]
-    all_parents = with_root(parents)
-    valid = (jnp.arange(size)[None, :] <= num_proposed[:, None]) & (jnp.arange(size)[None, :] > 0)
-    rows = jnp.arange(batch)
-    current = jnp.zeros((batch,), jnp.int32)  # the accepted node the walk stands on
-    active = jnp.ones((batch,), bool)  # no rejection yet
-    final = jnp.zeros(target_probs[:, 0].shape, target_probs.dtype)  # [B, V]: where the bonus is drawn
-    # [B, 1+N, 1+N]: node j precedes node i and drafts the same token. A sibling repeating an
-    # earlier one's token (a grafted lookup chain may) is tried with its p already removed: never kept.
-    repeats = (tokens[:, :, None] == tokens[:, None, :]) & (jnp.arange(size)[:, None] > jnp.arange(size)[None, :])
-    for level in range(depth):
-        p = target_probs[rows, current]  # [B, V]
-        children = valid & (all_parents == current[:, None]) & active[:, None]  # [B, 1+N]
-        first_of_token = children & ~jnp.any(repeats & children[:, None, :], axis=-1)
-        p_child = jnp.where(first_of_token, jnp.take_along_axis(p, tokens, axis=1), 0.0)  # [B, 1+N]
-        rejected_mass = jnp.cumsum(p_child, axis=1) - p_child  # siblings tried before each child
-        uniform = jax.random.uniform(jax.random.fold_in(key, level), (batch, size))
-        keep = children & (uniform * (1.0 - rejected_mass) < p_child)
-        kept_any = jnp.any(keep, axis=1)
-        # Rejected everywhere (or a leaf): the next token comes from p without the children.
-        child_tokens = jnp.where(children, tokens, p.shape[-1])
-        residual = p.at[rows[:, None], child_tokens].set(0.0, mode="drop")
-        mass = jnp.sum(residual, axis=-1, keepdims=True)
-        # mass 0 means the children held all of p: one was then accepted with probability 1.
-        residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p)
-        final = jnp.where((active & ~kept_any)[:, None], residual, final)
-        active = active & kept_any
-        current = jnp.where(active, jnp.argmax(keep, axis=1).astype(jnp.int32), current)
-    final = jnp.where(active[:, None], target_probs[rows, current], final)  # every level accepted
-    bonus = jax.random.categorical(jax.random.fold_in(key, depth), jnp.log(final), axis=-1).astype(jnp.int32)
-    return _accepted_at(current, bonus, tokens, ancestor_mask(parents, depth), depth)
-
-
-def positional_seen(seen: jax.Array, tokens: jax.Array, ancestors: jax.Array) -> jax.Array:
-    """The repetition-penalty context at each verify index: the committed tokens plus the node's
-    ancestors' and its own tokens (the root's is pending, already committed).
-    seen: bool[B, V]; tokens: int32[B, 1+N]; ancestors: bool[B, 1+N, 1+N] -> bool[B, 1+N, V]."""
-    vocab = seen.shape[-1]
-    drafted = jnp.einsum("bvu,buw->bvw", ancestors.astype(jnp.float32),
-                         jax.nn.one_hot(tokens, vocab, dtype=jnp.float32)) > 0
-    return seen[:, None] | drafted
 
 
 def trie(continuations: jax.Array, real: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -10,7 +10,6 @@ train/eval step: the settings plus the target's and head's configs and the hidde
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from typing import Any
 
@@ -18,15 +17,15 @@ import jax
 import optax
 
 from jaxspec.errors import InvalidRequestError
+from jaxspec.spec.methods import Method
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 LABEL_SOURCES = ("target", "text")  # TrainConfig.labels
 
 
-class Method(enum.Enum):
-    EAGLE3 = "eagle3"
-    MTP = "mtp"
+# The drafters whose heads jaxspec.train trains.
+TRAINABLE_METHODS = (Method.EAGLE3, Method.MTP)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,9 +47,9 @@ class TrainConfig:
     # pass); or "text", the row's next token. "text" suits a corpus the target wrote greedily in the
     # weight format the head is trained for (jaxspec's corpus: int8): that text is what the target's
     # decode and verify steps produce, while the feature pass runs a row as one long forward that
-    # rounds differently under int8 (its argmax left the corpus's own int8 answers at 2-5% of their
-    # tokens, where the decode path reproduced every token). On other text it trains toward the
-    # text, as EAGLE-1 trained on ShareGPT's. Not read by the compiled step.
+    # rounds differently under int8 (its argmax leaves some of the corpus's own int8 answer tokens,
+    # which the decode path reproduces: bench/RESULTS.md, "int8 labels"). On other text it trains
+    # toward the text, as EAGLE-1 trained on ShareGPT's. Not read by the compiled step.
     labels: str = "target"
     cache_features: bool = True  # the target runs once per row into a FeatureCache, not once per step
     draft_vocab_size: int | None = None  # EAGLE-3; None = the target's vocabulary (or by coverage)
@@ -77,11 +76,9 @@ class TrainConfig:
     keep_init_vocab: bool = False
     # The head's products (objective.in_compute_dtype): "float32", or "bfloat16" (weights and
     # activations cast at each product, float32 accumulation, master params and optimizer state
-    # float32; the backward products bfloat16 as well). On an AMX CPU a product's gradient runs
-    # 1.8-2.4x float32's rate at training sizes, a whole EAGLE-3 step (TTT 7, 8 rows of 768
-    # tokens) 1.2x: the attention, softmax and the copies around the products stay float32. On
-    # an AVX2-only CPU bf16 products run below float32's rate and a step takes 1.4x as long
-    # (bench/train_step.py).
+    # float32; the backward products bfloat16 as well). Faster on a CPU with bf16 matrix units
+    # (AMX), where only the products gain (attention, softmax and the copies around them stay
+    # float32); slower on an AVX2-only CPU (bench/RESULTS.md, "Training step cost").
     compute_dtype: str = "float32"
     val_fraction: float = 0.05
     eval_every: int = 100
@@ -89,11 +86,10 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        try:
-            object.__setattr__(self, "method", Method(self.method))
-        except ValueError:
+        if not (isinstance(self.method, str) and self.method in TRAINABLE_METHODS):
             raise InvalidRequestError(
-                f"method must be one of {[m.value for m in Method]}; got {self.method!r}") from None
+                f"method must be one of {[m.value for m in TRAINABLE_METHODS]}; got {self.method!r}")
+        object.__setattr__(self, "method", Method.parse(self.method))
         if self.aux_layer_ids is not None:
             object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
         positive = ("steps", "batch_size", "ttt_steps", "eval_every", "save_every")
