@@ -48,14 +48,10 @@ def kv_axes(buffers: tuple[Packed, ...]) -> tuple:
 
 
 def kv_layout(cfg) -> tuple[tuple[int, int], ...]:
-    """(kv heads, head dim) of each K/V buffer a trunk's cache holds: a config's own `kv_layout`
-    where its layers differ (Gemma: global layers' wider heads, KV-shared layers with none), else
-    one uniform buffer per attention layer (`attention_layers`, all layers by default)."""
-    layout = getattr(cfg, "kv_layout", None)
-    if layout is not None:
-        return tuple(layout)
-    layers = getattr(cfg, "attention_layers", range(cfg.num_layers))
-    return ((cfg.num_kv_heads, cfg.head_dim),) * len(layers)
+    """(kv heads, head dim) of each K/V buffer a trunk's cache holds, as every trunk config declares
+    it: one per layer (Llama), per attention layer (Qwen3.5), or per layer that computes K/V, with
+    the global layers' own heads (Gemma)."""
+    return tuple(cfg.kv_layout)
 
 
 class StateRollbackError(RuntimeError):

@@ -6,7 +6,7 @@ static, so jit's own cache keeps one program per (spec, argument shapes); nothin
 
 Disk: `enable_persistent_cache()` (called by `generate` and `stream`) points JAX's persistent
 compilation cache at `$JAXSPEC_XLA_CACHE_DIR`, else `<jaxspec cache dir>/xla`
-(`checkpoints.cache_dir()`: `$JAXSPEC_CACHE_DIR` or ~/.cache/jaxspec). `JAXSPEC_XLA_CACHE_DIR=off`
+(`jaxspec.paths.cache_dir()`: `$JAXSPEC_CACHE_DIR` or ~/.cache/jaxspec). `JAXSPEC_XLA_CACHE_DIR=off`
 disables it; a cache directory the user already set in JAX's own config is left alone. JAX
 stores a program only when it took at least `jax_persistent_cache_min_compile_time_secs` (default
 1 s) to compile: the real models' programs, not the unit tests' tiny ones.
@@ -38,7 +38,7 @@ import jax
 from jax import monitoring
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
-from jaxspec import checkpoints
+from jaxspec.paths import cache_dir
 
 XLA_CACHE_ENV = "JAXSPEC_XLA_CACHE_DIR"
 XLA_CACHE_OFF = "off"
@@ -90,7 +90,7 @@ def xla_cache_dir() -> pathlib.Path | None:
     configured = os.environ.get(XLA_CACHE_ENV)
     if configured is not None:
         return None if configured.strip().lower() in (XLA_CACHE_OFF, "") else pathlib.Path(configured).expanduser()
-    return checkpoints.cache_dir() / "xla"
+    return cache_dir() / "xla"
 
 
 def enable_persistent_cache() -> pathlib.Path | None:

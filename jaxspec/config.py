@@ -181,6 +181,11 @@ class ModelConfig:
             )
 
     @property
+    def kv_layout(self) -> tuple[tuple[int, int], ...]:
+        """(kv heads, head dim) of each cache buffer (`cache.kv_layout`): one per layer."""
+        return ((self.num_kv_heads, self.head_dim),) * self.num_layers
+
+    @property
     def group_size(self) -> int:  # G: query heads per kv head
         return self.num_heads // self.num_kv_heads
 

