@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "every lm_head row carries over")
     head.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
                       help="the head's products while training (bfloat16: bf16 products forward and backward, "
-                           "float32 master weights and accumulation; 1.2x faster EAGLE-3 steps on an AMX CPU)")
+                           "float32 master weights and accumulation; faster on a CPU with AMX, slower on AVX2-only ones)")
     head.add_argument("--val-fraction", type=float, default=0.05)
     head.add_argument("--eval-every", type=int, default=100)
     head.add_argument("--save-every", type=int, default=200)
