@@ -18,6 +18,11 @@ from jaxspec.config import ModelConfig, RopeType, config_from_hf
 from jaxspec.models import eagle3, llama
 from tests.conftest import max_relative_error
 
+# The trunk's and the head's forwards jitted once for the module (eager, each op compiles alone:
+# ~100-250 compiles a test).
+_llama_forward = jax.jit(llama.forward, static_argnums=1, static_argnames=("hidden_layers",))
+_head_forward = jax.jit(eagle3.forward, static_argnums=1)
+
 TARGET = ModelConfig(vocab_size=96, dim=48, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=12,
                      ffn_dim=80, rotary_dim=12, max_position_embeddings=256, eos_token_ids=(3,))
 HEAD = eagle3.Eagle3Config(dim=48, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64, draft_vocab_size=40,
@@ -106,7 +111,7 @@ def test_head_matches_an_independent_torch_implementation_over_several_steps(hea
 
     g0 = eagle3.encode(head.params, features)
     cache = eagle3.create_cache(HEAD, 1, 16)
-    logits, g_next, cache = eagle3.forward(head.params, HEAD, target.params.embed, jnp.asarray([tokens]), g0, cache)
+    logits, g_next, cache = _head_forward(head.params, HEAD, target.params.embed, jnp.asarray([tokens]), g0, cache)
     cache = cache.advance(jnp.array([7]))
     ref_g0 = torch.cat([_t(f[0]) for f in features], -1) @ p["fc"].T
     ref_logits, ref_g = torch_head_steps(p, HEAD, embed, torch.tensor(tokens), ref_g0)
@@ -115,8 +120,8 @@ def test_head_matches_an_independent_torch_implementation_over_several_steps(hea
     all_tokens, all_g = list(tokens), ref_g0
     token, g = int(jnp.argmax(logits[0, -1])), g_next[:, -1]
     for step in range(4):
-        step_logits, g_next, cache = eagle3.forward(head.params, HEAD, target.params.embed,
-                                                    jnp.asarray([[token]]), g[:, None], cache)
+        step_logits, g_next, cache = _head_forward(head.params, HEAD, target.params.embed,
+                                                   jnp.asarray([[token]]), g[:, None], cache)
         cache = cache.advance(jnp.array([1]))
         # The reference recomputes everything: the new position pairs the previous g_next with `token`.
         all_tokens.append(token)
@@ -155,8 +160,8 @@ def test_aux_ids_are_the_streams_entering_those_layers(tmp_path):
     ckpt = checkpoints.load_checkpoint(tmp_path)
     tokens = np.random.RandomState(0).randint(0, 64, (1, 9))
     aux = (0, 2, 4)
-    _, ours, _ = llama.forward(ckpt.params, ckpt.config, jnp.asarray(tokens), KVCache.create(ckpt.config, 1, 16),
-                               hidden_layers=eagle3.target_hidden_layers(aux))
+    _, ours, _ = _llama_forward(ckpt.params, ckpt.config, jnp.asarray(tokens), KVCache.create(ckpt.config, 1, 16),
+                                hidden_layers=eagle3.target_hidden_layers(aux))
     with torch.no_grad():
         reference = hf(torch.tensor(tokens), output_hidden_states=True).hidden_states
     for feature, layer in zip(ours, aux):
@@ -245,8 +250,8 @@ def test_eagle3_head_state_tracks_the_committed_sequence(target, head):
     result = jaxspec.generate(target, head, PROMPTS[0], max_new_tokens=12, ignore_eos=True, num_draft_tokens=3)
     sequence = PROMPTS[0] + result.tokens[0]
     aux = HEAD.resolved_aux_layers(TARGET.num_layers)
-    _, features, _ = llama.forward(target.params, TARGET, jnp.asarray([sequence[:-1]]),
-                                   KVCache.create(TARGET, 1, 64), hidden_layers=eagle3.target_hidden_layers(aux))
+    _, features, _ = _llama_forward(target.params, TARGET, jnp.asarray([sequence[:-1]]),
+                                    KVCache.create(TARGET, 1, 64), hidden_layers=eagle3.target_hidden_layers(aux))
     proposer = Eagle3(num_draft=3, config=HEAD, aux_layer_ids=aux)
     draft_params = {"head": head.params, "embed": target.params.embed}
     n = len(sequence) - 1

@@ -20,6 +20,9 @@ from jaxspec.spec.drafters.eagle3 import Eagle3
 from jaxspec.train.data import Dataset
 from tests.conftest import load_bench_script
 
+# The target's forward jitted once (eager, each op compiles alone: ~300 compiles for the test).
+_forward = jax.jit(llama.forward, static_argnums=1, static_argnames=("hidden_layers",))
+
 TARGET = ModelConfig(vocab_size=96, dim=48, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=12,
                      ffn_dim=80, rotary_dim=12, max_position_embeddings=256, eos_token_ids=(3,))
 HEAD = eagle3.Eagle3Config(dim=48, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64, draft_vocab_size=40,
@@ -88,8 +91,8 @@ def test_agreement_counts_are_the_proposers_drafts_after_each_prefix(script, mod
     for r in range(len(data)):
         row = data.tokens[r, : data.lengths[r]].tolist()
         padded = jnp.asarray([row + [0] * (WIDTH - len(row))])
-        logits, features, _ = llama.forward(target.params, TARGET, padded, KVCache.create(TARGET, 1, WIDTH),
-                                            hidden_layers=eagle3.target_hidden_layers(aux))
+        logits, features, _ = _forward(target.params, TARGET, padded, KVCache.create(TARGET, 1, WIDTH),
+                                       hidden_layers=eagle3.target_hidden_layers(aux))
         greedy = np.asarray(jnp.argmax(logits[0], axis=-1))  # [W]: the target's token after each prefix
         probs = np.asarray(jax.nn.softmax(logits[0], axis=-1))  # [W, V]
         shifted = jnp.concatenate([padded[:, 1:], jnp.zeros((1, 1), jnp.int32)], axis=1)

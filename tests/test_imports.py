@@ -101,7 +101,7 @@ def test_the_engine_imports_no_trunk_module():
     assert "jaxspec.spec.loop" in ENGINE and "jaxspec.spec.drafters.eagle3" in ENGINE
     for name in ENGINE:
         trunks = sorted(GRAPH[name] & TRUNKS)
-        assert not trunks, f"{name} imports the trunk module(s) {trunks}: ask the family (jaxspec.models.Family) instead"
+        assert not trunks, f"{name} imports the trunk module(s) {trunks}: ask its family (jaxspec.models.Family)"
 
 
 def test_the_engine_duck_types_nothing():

@@ -186,18 +186,18 @@ def drafter_of(method: Method | str) -> Drafter:
 # ----------------------------------------------------------------------------------------------
 
 
-def samples_drafts(sampler: SamplerSpec, options: DraftOptions) -> bool:
-    """Whether a model drafter draws its drafts (and reports q) rather than taking its argmax.
+def draft_sampling(sampler: SamplerSpec, options: DraftOptions) -> dict:
+    """A model drafter's `sample` and `sampler` fields: whether it draws its drafts (and reports q)
+    rather than taking its argmax, and the request's sampler when it does.
 
     At temperature > 0 drafts are drawn from the draft's own distribution unless asked for
     argmax; greedy requests always draft argmax. A tree's drafts are always its drafter's top_k
     (multi-draft verification needs point masses)."""
-    if options.tree is not None:
-        if options.draft_sampling == "sample":
-            raise InvalidRequestError("a draft tree expands each node's top_k children, not samples; "
-                                      "draft_sampling='sample' applies to chains (tree=None)")
-        return False
-    return not sampler.greedy and options.draft_sampling != "argmax"
+    if options.tree is not None and options.draft_sampling == "sample":
+        raise InvalidRequestError("a draft tree expands each node's top_k children, not samples; "
+                                  "draft_sampling='sample' applies to chains (tree=None)")
+    sample = options.tree is None and not sampler.greedy and options.draft_sampling != "argmax"
+    return dict(sample=sample, sampler=sampler if sample else None)
 
 
 def check_tree_top_k(options: DraftOptions, vocab: int, whose: str) -> None:

@@ -432,8 +432,9 @@ class Outcome:
         def pad(x):
             return jnp.pad(x, ((0, 0), (0, steps - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
 
+        logprobs = None if self.logprobs is None else self.logprobs.padded_to(steps)
         return self.replace(committed=pad(self.committed), hiddens=tuple(pad(h) for h in self.hiddens),
-                            path=pad(self.path), logprobs=None if self.logprobs is None else self.logprobs.padded_to(steps))
+                            path=pad(self.path), logprobs=logprobs)
 
 
 

@@ -17,7 +17,8 @@ from jaxspec.model import Model
 from jaxspec.models import assistant as head_model
 from jaxspec.sampling import SamplerSpec
 from jaxspec.spec import tree as tree_lib
-from jaxspec.spec.drafting import Drafter, DraftOptions, HeadCheckpoint, Speculation, check_tree_top_k, register, samples_drafts
+from jaxspec.spec.drafting import (Drafter, DraftOptions, HeadCheckpoint, Speculation, check_tree_top_k, draft_sampling,
+                                   register)
 from jaxspec.spec.proposers import Context, Prefill, Verified, draft_chain, next_token, tree_proposal
 from jaxspec.spec.tree import DraftTree
 
@@ -108,9 +109,8 @@ def build(target: Model, head: Model | None, options: DraftOptions, sampler: Sam
                                   "jaxspec.load(ASSISTANT_DIR)")
     head_model.check_target(head.config, target.config)
     check_tree_top_k(options, head.config.vocab_size, "assistant")
-    sample = samples_drafts(sampler, options)
     proposer = SharedKVAssistant(num_draft=options.num_draft, config=head.config, target_config=target.config,
-                                 sample=sample, sampler=sampler if sample else None, tree=options.tree)
+                                 **draft_sampling(sampler, options), tree=options.tree)
     return Speculation(DRAFTER.method, proposer, head)
 
 

@@ -19,7 +19,7 @@ from jaxspec.model import Model, layer_skip
 from jaxspec.sampling import SamplerSpec
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.drafting import (DRAFTERS, Drafter, DraftOptions, Method, Speculation, check_tree_top_k, register,
-                                   samples_drafts)
+                                   draft_sampling)
 from jaxspec.spec.proposers import Context, Prefill, Verified, draft_chain, next_token, tree_proposal
 from jaxspec.spec.tree import DraftTree
 
@@ -146,12 +146,11 @@ def _build(method: str, target: Model, draft: Model, options: DraftOptions, samp
         family.check_tree(draft.config, options.tree.depth, "draft")
     check_tree_top_k(options, draft.config.vocab_size, "draft model")
     k = options.num_draft
-    sample = samples_drafts(sampler, options)
     # A draft runs k + 1 positions past its context's length - 2 each round and is set back to the
     # new length - 2: k positions back for a row that committed one token, k + 1 for a row that
     # already finished (its context no longer grows, yet the batch drafts on), from a T = 2 catch-up.
     config = family.with_rollback(draft.config, k + 2, 2)
-    proposer = DraftModel(num_draft=k, config=config, sample=sample, sampler=sampler if sample else None,
+    proposer = DraftModel(num_draft=k, config=config, **draft_sampling(sampler, options),
                           tree=options.tree, name=method)
     return Speculation(DRAFTERS[method].method, proposer, draft)
 

@@ -9,7 +9,8 @@ from jaxspec.errors import InvalidRequestError
 from jaxspec.model import Model
 from jaxspec.models import eagle3 as head_model
 from jaxspec.sampling import SamplerSpec
-from jaxspec.spec.drafting import Drafter, DraftOptions, HeadCheckpoint, Speculation, check_tree_top_k, register, samples_drafts
+from jaxspec.spec.drafting import (Drafter, DraftOptions, HeadCheckpoint, Speculation, check_tree_top_k, draft_sampling,
+                                   register)
 from jaxspec.spec.drafters.feature_head import FeatureHead, check_head
 from jaxspec.spec.tree import DraftTree
 
@@ -63,9 +64,8 @@ def build(target: Model, head: Model | None, options: DraftOptions, sampler: Sam
         raise InvalidRequestError(
             f"EAGLE-3 aux layer ids {aux} must be three layer indices in [0, {layers}) of the target")
     check_tree_top_k(options, cfg.draft_vocab_size, "EAGLE-3 head")
-    sample = samples_drafts(sampler, options)
-    proposer = Eagle3(num_draft=options.num_draft, config=cfg, aux_layer_ids=tuple(aux), sample=sample,
-                      sampler=sampler if sample else None, tree=options.tree)
+    proposer = Eagle3(num_draft=options.num_draft, config=cfg, aux_layer_ids=tuple(aux), tree=options.tree,
+                      **draft_sampling(sampler, options))
     return Speculation(DRAFTER.method, proposer, head)
 
 

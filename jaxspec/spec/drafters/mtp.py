@@ -13,7 +13,8 @@ from jaxspec.model import Model
 from jaxspec.models import layers
 from jaxspec.models import mtp as head_model
 from jaxspec.sampling import SamplerSpec
-from jaxspec.spec.drafting import Drafter, DraftOptions, HeadCheckpoint, Speculation, check_tree_top_k, register, samples_drafts
+from jaxspec.spec.drafting import (Drafter, DraftOptions, HeadCheckpoint, Speculation, check_tree_top_k, draft_sampling,
+                                   register)
 from jaxspec.spec.drafters.feature_head import FeatureHead, check_head
 from jaxspec.spec.tree import DraftTree
 
@@ -69,9 +70,8 @@ class Mtp(FeatureHead):
 def build(target: Model, head: Model | None, options: DraftOptions, sampler: SamplerSpec) -> Speculation:
     cfg = check_head(target, head, head_model.MtpConfig, "mtp", "MTP", "jaxspec.load_mtp(MODEL_DIR)")
     check_tree_top_k(options, cfg.vocab_size, "MTP head")
-    sample = samples_drafts(sampler, options)
-    proposer = Mtp(num_draft=options.num_draft, config=cfg, target_layers=target.config.num_layers, sample=sample,
-                   sampler=sampler if sample else None, tree=options.tree)
+    proposer = Mtp(num_draft=options.num_draft, config=cfg, target_layers=target.config.num_layers, tree=options.tree,
+                   **draft_sampling(sampler, options))
     return Speculation(DRAFTER.method, proposer, head)
 
 
