@@ -106,6 +106,35 @@ def pytest_configure(config):
     # 14 kernel and cache checks on an H200 by 1e-3 where "highest" passed all.
     if compilation.pins_full_precision():
         jax.config.update("jax_default_matmul_precision", "highest")
+    # Under `-n 2 --dist loadfile`, xdist hands out the files in the order collected
+    # (pytest_collection_modifyitems below) instead of re-sorting them by their number of tests.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+# The slowest files, slowest first (seconds in a `-n 2` run, from bench/suite_profile.py; a file
+# renamed or new simply runs after them). With the two workers taking the longest files first,
+# the last files each worker takes are short and both end together: sorted by test count (xdist's
+# own order) a 25-30 s file with one or two tests came last, and over per-file times varied by
+# +-30% from one measured run the slower worker ended 10 s after the other on average, up to 29 s
+# (1-3 s in this order).
+SLOWEST_FILES = (
+    "test_gemma.py", "test_cpu_kernels.py", "test_spec_sampling.py", "test_sharding.py", "test_train_corpus.py",
+    "test_real_model.py", "test_constrained.py", "test_assistant.py", "test_logprobs.py", "test_spec_tree.py",
+    "test_qwen35.py", "test_lookup_first.py", "test_quant.py", "test_spec.py", "test_cli.py", "test_train_run.py",
+    "test_flash_decode.py", "test_grammar.py", "test_eagle3.py", "test_fuzz.py", "test_notebooks.py",
+    "test_parity_hf.py", "test_loop.py", "test_tree_sampling.py", "test_api.py", "test_score.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The slowest files first, the rest after them with the most tests first (xdist's own rule);
+    within a file the order is kept."""
+    rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
+    tests_in = {}
+    for item in items:
+        tests_in[item.path] = tests_in.get(item.path, 0) + 1
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -tests_in[item.path]))
 
 
 @pytest.fixture(scope="module", autouse=True)
