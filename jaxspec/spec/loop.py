@@ -485,6 +485,9 @@ def _score(params, state: DecodeState, request: Request, spec: LoopSpec, proposa
     drafts, num_proposed = proposal.drafts, proposal.num_proposed
     batch, width = drafts.shape
     is_tree = proposal.parents is not None
+    if is_tree and proposal.probs is not None:  # verify.rejection_sample's q is a chain's
+        raise RuntimeError(f"{spec.proposer.name} proposed a tree with draft probabilities: tree nodes are "
+                           "point masses")
     parents = proposal.parents if is_tree else chain_parents(batch, width)
     depth = spec.tree.depth if is_tree else width
     size = width + 1
