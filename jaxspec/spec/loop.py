@@ -34,7 +34,6 @@ from flax import struct
 from jaxspec import models
 from jaxspec.compilation import full_precision_products
 from jaxspec.cache import Cache, KVFormat
-from jaxspec.config import ModelConfig
 from jaxspec.grammar import DEAD, GrammarTable
 from jaxspec.sampling import SamplerSpec, SamplingParams, distribution, log_probs, masked, repeat_rows, select
 from jaxspec.sharding import Plan, to_host
@@ -152,11 +151,6 @@ class TokenLogprobs:
     def zeros(cls, batch: int, steps: int, top: int) -> "TokenLogprobs":
         return cls(jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch, steps, top), jnp.int32),
                    jnp.zeros((batch, steps, top), jnp.float32))
-
-    def padded_to(self, steps: int) -> "TokenLogprobs":
-        """Padded along T to `steps` (a plain step's one token, as a round of k + 1)."""
-        return jax.tree.map(
-            lambda leaf: jnp.pad(leaf, ((0, 0), (0, steps - leaf.shape[1])) + ((0, 0),) * (leaf.ndim - 2)), self)
 
 
 @struct.dataclass
@@ -428,14 +422,12 @@ class Outcome:
     logprobs: TokenLogprobs | None = None  # of the committed tokens [B, k+1], when LoopSpec.logprobs is set
 
     def padded_to(self, steps: int) -> "Outcome":
-        """Padded along the round's positions to `steps` (a plain step's one, as a round of k + 1)."""
-        def pad(x):
-            return jnp.pad(x, ((0, 0), (0, steps - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
-
-        logprobs = None if self.logprobs is None else self.logprobs.padded_to(steps)
-        return self.replace(committed=pad(self.committed), hiddens=tuple(pad(h) for h in self.hiddens),
-                            path=pad(self.path), logprobs=logprobs)
-
+        """Every per-position array [B, T, ...] padded along T to `steps` (a plain step's one
+        position, as a round of k + 1); the cache is the round's already."""
+        committed, hiddens, path, logprobs = jax.tree.map(
+            lambda x: jnp.pad(x, ((0, 0), (0, steps - x.shape[1])) + ((0, 0),) * (x.ndim - 2)),
+            (self.committed, self.hiddens, self.path, self.logprobs))
+        return self.replace(committed=committed, hiddens=hiddens, path=path, logprobs=logprobs)
 
 
 def _filler(tokens: jax.Array, spec: LoopSpec) -> tuple[jax.Array, jax.Array | None]:

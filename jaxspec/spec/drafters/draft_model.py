@@ -5,7 +5,7 @@ layers, LayerSkip self-speculation)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
