@@ -294,7 +294,10 @@ def _generate(args) -> None:
         _print_logprobs(stream.result.logprobs[0], model.tokenizer)
     stats = stream.result.stats
     speculation = ""
-    if stats.method != "plain" and stats.tree is None:
+    if stats.method != "plain" and stats.rounds == 0:  # the prefill's token ended the row: nothing was verified
+        shape = f"k={stats.num_draft_tokens}" if stats.tree is None else f"tree {stats.tree}"
+        speculation = f"{stats.drafter} {shape}: no verify round, "
+    elif stats.method != "plain" and stats.tree is None:
         speculation = (f"{stats.drafter} k={stats.num_draft_tokens}: tau {stats.tau:.2f}, "
                        f"acceptance {stats.acceptance_rate:.0%}, ")
     elif stats.method != "plain":

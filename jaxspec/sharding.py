@@ -68,8 +68,13 @@ def make_mesh(data: int = 1, model: int = 1, *, devices=None) -> Mesh:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ShardingError(f"mesh axis {name!r} needs a positive integer size; got {size!r}")
     if data * model > len(devices):
+        visible = f"{len(devices)} is visible" if len(devices) == 1 else f"{len(devices)} are visible"
+        hint = ""
+        if devices[0].platform == "cpu":
+            hint = (f"; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={data * model} (set before "
+                    f"jax starts) simulates that many devices")
         raise ShardingError(f"a mesh of data={data} x model={model} needs {data * model} devices; "
-                            f"{len(devices)} are visible ({devices[0].platform})")
+                            f"{visible} ({devices[0].platform}){hint}")
     grid = np.array(devices[: data * model], dtype=object).reshape(data, model)
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
 
@@ -206,9 +211,27 @@ def _check_rules(rules: Mapping[str, str | None] | None, mesh: Mesh) -> dict[str
     return merged
 
 
-def _divisors_of_all(counts: list[int], limit: int) -> list[int]:
-    common = math.gcd(*counts)
-    return [n for n in range(1, limit + 1) if common % n == 0]
+def _kv_repeats(logical: str, count: int, size: int, counts: dict[str, int], merged: dict) -> int | None:
+    """How many copies of each of `count` entries a mesh axis of `size` takes: 1 where it divides
+    them; for kv heads split with the query heads, lcm(K, m) / K where m divides the query heads
+    (each kv head repeated for the query heads that read it); None: it does not fit."""
+    if count % size == 0:
+        return 1
+    if logical == "kv_heads" and counts["heads"] % size == 0 and merged.get("heads") == merged.get("kv_heads"):
+        # lcm(K, m) divides the query heads N (a multiple of both), so the repeats keep GQA's
+        # grouping: query head n reads copy n // (N / lcm) of original head n // (N / K).
+        return math.lcm(count, size) // count
+    return None
+
+
+def _sizes_that_fit(axis: str, counts: dict[str, int], merged: dict) -> list[int]:
+    """Every size of mesh axis `axis` at which all that the rules split there fits (whatever the
+    devices visible now: a user sizing a mesh for another machine reads the same list)."""
+    split_here = {name: counts[name] for name, other in merged.items() if other == axis and name in counts}
+    # A size past every count but the kv heads' (which may repeat) divides nothing.
+    largest = min((count for name, count in split_here.items() if name != "kv_heads"), default=max(split_here.values()))
+    return [size for size in range(1, largest + 1)
+            if all(_kv_repeats(name, count, size, counts, merged) is not None for name, count in split_here.items())]
 
 
 def plan_for(cfg: Any, mesh: Mesh, rules: Mapping[str, str | None] | None = None, *,
@@ -222,22 +245,17 @@ def plan_for(cfg: Any, mesh: Mesh, rules: Mapping[str, str | None] | None = None
     for logical, count in counts.items():
         axis = merged.get(logical)
         size = 1 if axis is None else mesh.shape[axis]
-        if count % size == 0:
-            continue
-        if logical == "kv_heads" and counts["heads"] % size == 0 and merged.get("heads") == axis:
-            # lcm(K, m) divides the query heads N (a multiple of both), so the repeats keep GQA's
-            # grouping: query head n reads copy n // (N / lcm) of original head n // (N / K).
-            kv_repeats = math.lcm(count, size) // count
+        repeats = _kv_repeats(logical, count, size, counts, merged)
+        if repeats is not None:
+            kv_repeats = max(kv_repeats, repeats)
             continue
         if replicate_misfits:
             merged[logical] = None
             continue
-        split_here = [counts[name] for name, other in merged.items() if other == axis and name in counts]
         raise ShardingError(
             f"{count} {logical} (the model's {logical.replace('_', ' ')}) do not divide over mesh axis {axis!r} of "
-            f"size {size}; sizes that divide everything split there: "
-            f"{_divisors_of_all(split_here, len(mesh.devices.flat))}, or pass rules={{{logical!r}: None}} to "
-            f"replicate it")
+            f"size {size}; the sizes of {axis!r} this model fits: {_sizes_that_fit(axis, counts, merged)}, or pass "
+            f"rules={{{logical!r}: None}} to replicate it")
     by_key_head = "linear_key_heads" in counts and merged["linear_key_heads"] is not None and (
         mesh.shape[merged["linear_key_heads"]] > 1)
     # The stacked q/k/v channels split only regrouped per key head, with the key heads.

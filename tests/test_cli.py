@@ -166,7 +166,16 @@ def test_a_lone_surrogate_in_the_prompt_is_named(tiny, tiny_cache, converted, ca
 
 def test_convert_refuses_a_non_empty_output(tiny, converted, capsys):
     code, out, err = run(capsys, "convert", str(tiny["gguf"]), str(converted))
-    assert_one_line_error(code, out, err, "already exists")
+    assert_one_line_error(code, out, err, "already exists", "--overwrite")
+
+
+def test_a_row_the_prefill_ends_reports_no_verify_round(tiny, tiny_cache, converted, capsys):
+    """One new token comes from the prefill alone: the stats line says no round ran, not "tau nan"."""
+    code, out, err = run(capsys, "generate", "tok1tok2", "--no-chat", "--max-new-tokens", "1", "--method", "ngram",
+                         "--model", str(converted), "-q")
+    assert code == 0, err
+    (line,) = stats_lines(err)
+    assert "ngram k=4: no verify round" in line and "nan" not in line
 
 
 def test_info_tiny_hf_dir(tiny, capsys):
@@ -213,7 +222,7 @@ def test_missing_model_path(tmp_path, capsys):
         (["--method", "ngram", "--draft-sampling", "sample", "--temperature", "1"],
          "no q for --draft-sampling='sample'"),
         (["--mesh", "tensor=2"], "--mesh takes data=N,model=M"),
-        (["--mesh", "data=1,model=4"], "a mesh of data=1 x model=4 needs 4 devices; 1 are visible"),
+        (["--mesh", "data=1,model=4"], "a mesh of data=1 x model=4 needs 4 devices; 1 is visible"),
         (["--num-processes", "2"], "--num-processes and --process-id go with --coordinator"),
     ],
     ids=["top-p-0", "temperature-negative", "max-new-tokens-0", "exit-layer-alone", "eagle3-without-draft",

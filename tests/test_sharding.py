@@ -239,3 +239,18 @@ def test_deltanet_channels_grouped_by_key_head_are_the_same_function():
 
     for ours, reference in zip(run(grouped), run(params)):
         np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_a_misfit_names_the_sizes_that_fit_whatever_the_devices_visible():
+    """SmolLM2-135M's shape (9 heads, 3 kv heads, ffn 1536, vocab 49152) fits a model axis of 1 or 3
+    (1536 / 9 is no whole number): the hint lists both on a machine with one device, and the kv
+    heads alone, repeated up to the query heads, fit 9 as well."""
+    smollm2 = ModelConfig(vocab_size=49152, dim=576, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64,
+                          ffn_dim=1536, rotary_dim=64)
+    counts, rules = sharding.axis_counts(smollm2), dict(sharding.DEFAULT_RULES)
+    assert sharding._sizes_that_fit("model", counts, rules) == [1, 3]
+    attention_only = {name: (axis if name in ("heads", "kv_heads") else None) for name, axis in rules.items()}
+    assert sharding._sizes_that_fit("model", counts, attention_only) == [1, 3, 9]
+    with pytest.raises(sharding.ShardingError, match=r"needs 4 devices; 1 is visible \(cpu\); on a CPU, "
+                                                     r"XLA_FLAGS=--xla_force_host_platform_device_count=4"):
+        jaxspec.make_mesh(data=2, model=2)

@@ -124,7 +124,8 @@ def convert(
     weight_format = WeightFormat.parse(weight_format).resolve()
     out = pathlib.Path(out_dir).expanduser().absolute()
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists and is not empty (pass overwrite=True to replace it)")
+        raise CheckpointError(f"{out} already exists and is not empty (pass overwrite=True, or --overwrite to the "
+                              f"CLI, to replace it)")
     if out.exists() and resolve_model(src) == out.resolve():
         raise CheckpointError(f"cannot convert {out} onto itself")
     checkpoint = load_checkpoint(src, use_cache=False, progress=progress, weight_format=weight_format)

@@ -239,7 +239,9 @@ def _request(regex, json_schema, choices) -> tuple[str, str, str]:
             try:
                 schema = json.loads(json_schema)
             except json.JSONDecodeError as e:
-                raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+                raise GrammarError(f"json_schema is not valid JSON ({e}): in Python it is a dict or JSON text; to "
+                                   f"use a schema file, pass json.load(open(path)) (the CLI's --json-schema takes "
+                                   f"a file)") from None
             except RecursionError:
                 raise GrammarError("json_schema is nested too deeply") from None
         elif isinstance(json_schema, Mapping):
