@@ -11,7 +11,9 @@ the config.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import pathlib
 import re
 from collections.abc import Callable, Container, Iterable
@@ -21,6 +23,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxspec.cpu.packing import aligned
 from jaxspec.errors import CheckpointError, JaxspecError, UnsupportedModelError
 from jaxspec.models.family import TensorSource
 from jaxspec.models.params import is_shape
@@ -73,7 +76,7 @@ def assemble_params(
             raise CheckpointError(
                 f"tensor {tensor.name!r} in {path} has shape {tuple(array.shape)}, expected {shape} from the config")
         bar.update()
-        return np.ascontiguousarray(array, dtype=np.float32)
+        return aligned(np.asarray(array, dtype=np.float32))  # so that to_jax adopts it, not copies it
 
     with bar:
         # Leaves come in the params types' field order (embed, layer by layer, final norm, head),
@@ -82,12 +85,44 @@ def assemble_params(
 
 
 def to_jax(params: Any) -> Any:
-    """Host float32 params -> jax arrays on the default device.
+    """Host params -> jax arrays on the default device.
 
     The numpy leaves are freshly made and owned by nobody else, so the CPU backend may alias
-    them instead of copying: a cached load then skips a copy of every weight.
+    them instead of copying where they start on its alignment (`aligned`: a GGUF's dequantized
+    tensors do), skipping a copy of every weight.
     """
     return jax.device_put(params, may_alias=True)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's; absent elsewhere (musl, macOS)
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the host memory freed so far back to the OS (glibc's `malloc_trim`; a no-op without
+    it). glibc keeps freed blocks in the arena of the thread that freed them, and the next large
+    array may come from another: a load that replaces its weights piece by piece otherwise
+    grows its resident memory by the weights it has already dropped."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def to_jax_consuming(leaves: list) -> list:
+    """`leaves` (a flattened tree's host arrays, the list their only holder) on the device, each
+    host array dropped from the list as soon as its device copy exists: moving a tree whose
+    arrays jax cannot adopt then peaks near one copy of it, not two (`to_jax` on the whole tree)."""
+    for index, leaf in enumerate(leaves):
+        leaves[index] = None
+        # Waited for: a copy still in flight keeps its host array alive, and unwaited the copies
+        # of a whole tree pile up behind the loop (a 2.4 GB tree peaked at twice its size).
+        leaves[index], leaf = jax.block_until_ready(jax.device_put(leaf, may_alias=True)), None
+        release_freed_memory()
+    return leaves
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxspec import models
 from jaxspec.checkpoints import gguf as gguf_reader
-from jaxspec.checkpoints.assemble import Checkpoint, config_values_checked, to_jax
+from jaxspec.checkpoints.assemble import Checkpoint, config_values_checked, to_jax_consuming
 from jaxspec.checkpoints.resolve import JAXSPEC_META, cache_dir
 from jaxspec.checkpoints.safetensors import read_json
 from jaxspec.errors import CheckpointError, JaxspecError
@@ -131,7 +131,7 @@ def restore_params(path: pathlib.Path, family: Family, cfg: Any,
         # tie flag turned on over stored untied params) would silently drop a stored array.
         raise CheckpointError(f"{path} holds a params tree of another structure than the {family.name} config "
                               f"implies ({stored} arrays where it implies {len(jax.tree.leaves(target))})")
-    # Restore to host numpy, then hand the buffers to jax without a copy (see to_jax).
+    # Restore to host numpy, then hand the buffers to jax one by one (to_jax_consuming).
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
     with _checkpointer() as checkpointer:
         restored = checkpointer.restore(
@@ -142,7 +142,9 @@ def restore_params(path: pathlib.Path, family: Family, cfg: Any,
         if got.shape != want.shape or got.dtype != want.dtype:
             raise CheckpointError(f"{path} holds a {got.dtype}{list(got.shape)} array where "
                                   f"{want.dtype}{list(want.shape)} belongs")
-    return to_jax(restored)
+    leaves, treedef = jax.tree.flatten(restored)
+    del restored  # orbax's arrays are not aligned for jax to adopt: copied one by one, each dropped after
+    return jax.tree.unflatten(treedef, to_jax_consuming(leaves))
 
 
 def _stored_leaf_count(path: pathlib.Path) -> int | None:
@@ -258,14 +260,18 @@ def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = Fa
             host_params = jax.device_get(_restore_entry(float_entry, family, cfg, WeightFormat.F32))
         if host_params is None:
             host_params = gguf_reader.params_from_gguf(gf, cfg, progress=progress)
-        host_params = quant.convert(host_params, weight_format)
+        leaves, treedef = jax.tree.flatten(quant.convert(host_params, weight_format))
+        del host_params
+        # On the device before they are saved: jax adopts the dequantized arrays (aligned) without
+        # a copy, and orbax writes device arrays without the host copy it makes of numpy ones (a
+        # numpy tree of 2.4 GB took 1.9 GB more to save, its device twin nothing, in half the time).
+        params = jax.tree.unflatten(treedef, to_jax_consuming(leaves))
         if entry is not None:
             try:
                 _sweep_stale_tmp(entry.parent)
-                write_atomically(entry, functools.partial(save_params, host_params))
+                write_atomically(entry, functools.partial(save_params, params))
             except Exception as err:  # a read-only or full cache must not stop the load
                 logger.warning("could not write cache entry %s: %s", entry, err)
-        params = to_jax(host_params)
     return Checkpoint(config=cfg, params=params, tokenizer_source=gguf_reader.gguf_tokenizer_metadata(gf),
                       source=path, tokenizer=tokenizer)
 

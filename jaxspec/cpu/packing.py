@@ -68,14 +68,43 @@ def pack_int8(values, scales) -> PackedWeight:
 
 
 def pack_f32(matrix) -> PackedWeight:
-    """A float32 matrix [O, I] (host array) -> PackedWeight (numpy leaves)."""
+    """A float32 matrix [O, I] (host array) -> PackedWeight (numpy leaves), written straight into
+    an aligned array (`aligned_empty`): a load's largest transient is one copy of its largest
+    weight, not three."""
     matrix = np.asarray(matrix, np.float32)
     out_features, in_features = matrix.shape
-    groups = _groups(out_features)
-    padded = np.zeros((groups * GROUP_ROWS, in_features), np.float32)
-    padded[:out_features] = matrix
-    data = padded.reshape(groups, GROUP_ROWS, in_features).transpose(0, 2, 1)
-    return PackedWeight(data=np.ascontiguousarray(data), out_features=out_features, in_features=in_features)
+    groups, full = _groups(out_features), out_features // GROUP_ROWS
+    data = aligned_empty((groups, in_features, GROUP_ROWS), np.float32)
+    data[:full] = matrix[: full * GROUP_ROWS].reshape(full, GROUP_ROWS, in_features).transpose(0, 2, 1)
+    if full < groups:  # the last group's rows past O are zero
+        rest = out_features - full * GROUP_ROWS
+        data[full, :, :rest] = matrix[full * GROUP_ROWS :].T
+        data[full, :, rest:] = 0
+    return PackedWeight(data=data, out_features=out_features, in_features=in_features)
+
+
+HOST_ALIGNMENT = 64  # bytes: XLA:CPU adopts a host buffer aligned to this without copying it
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised numpy array whose data starts on a HOST_ALIGNMENT boundary, so that
+    `jax.device_put` on a CPU adopts it instead of copying (numpy's own arrays start 16 bytes
+    past one, and every device_put of them is a copy)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buffer = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
+    start = -buffer.ctypes.data % HOST_ALIGNMENT
+    return buffer[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def aligned(array: np.ndarray) -> np.ndarray:
+    """`array` as a C-contiguous numpy array on a HOST_ALIGNMENT boundary (itself if it is one)."""
+    array = np.asarray(array)
+    if array.flags.c_contiguous and array.ctypes.data % HOST_ALIGNMENT == 0:
+        return array
+    out = aligned_empty(array.shape, array.dtype)
+    out[...] = array
+    return out
 
 
 def unpack_int8(packed: PackedWeight) -> tuple[np.ndarray, np.ndarray]:

@@ -125,8 +125,12 @@ def _to_standard(leaf: Any) -> Any:
 
 def apply(params: Any, products: Products) -> Any:
     """`params` with every linear weight laid out for `products` (numpy or device trees; exact)."""
-    convert = _to_native if Products.parse(products) is Products.NATIVE else _to_standard
-    return quant.map_linear(params, convert)
+    return quant.map_linear(params, lambda weight: apply_weight(weight, products))
+
+
+def apply_weight(weight: Any, products: Products) -> Any:
+    """One linear weight (a field `apply` converts) laid out for `products`."""
+    return (_to_native if Products.parse(products) is Products.NATIVE else _to_standard)(weight)
 
 
 def standard(params: Any) -> Any:
