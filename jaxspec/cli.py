@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="apply the model's chat template (default: on when the model has one)")
     gen.add_argument("--weight-format", **WEIGHT_FORMAT_FLAG)
     gen.add_argument("--products", **PRODUCTS_FLAG)
-    gen.add_argument("-q", "--quiet", action="store_true", help="no 'compiling ...' notice on stderr")
+    gen.add_argument("-q", "--quiet", action="store_true", help="no 'preparing ... compiled' notices on stderr")
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="after the text, each token's log-prob and its N most likely alternatives")
     gen.add_argument("--regex", default=None, help="constrain the output to match this regular expression")

@@ -48,9 +48,9 @@ def test_stream_compiles_both_programs_before_the_first_token(tiny_model, capsys
     first = next(tokens)
     before_first = capsys.readouterr().err
     rest = list(tokens)
-    assert [line.split(" [")[0] for line in before_first.splitlines() if "compiling" in line] == [
-        "jaxspec: compiling prefill", "jaxspec: compiling decode round"]
-    assert "compiling" not in capsys.readouterr().err
+    assert [line.split(" [")[0] for line in before_first.splitlines() if "preparing" in line] == [
+        "jaxspec: preparing prefill", "jaxspec: preparing decode round"]
+    assert "preparing" not in capsys.readouterr().err
     assert len([first, *rest]) == 12
 
 
@@ -70,19 +70,20 @@ def test_what_does_not_recompile(tiny_model):
     assert with_min_p.stats.compile_seconds == 0.0
 
 
-def test_a_new_shape_prints_one_compiling_line_unless_silenced(tiny_model, capsys):
+def test_a_new_shape_prints_one_notice_line_a_program_unless_silenced(tiny_model, capsys):
     capsys.readouterr()
     jaxspec.generate(tiny_model, None, [[1, 2]] * 5, max_new_tokens=4)  # batch 5: a new program
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxspec: compiling")]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxspec: preparing")]
     assert len(lines) == 2 and "prefill" in lines[0] and "decode loop" in lines[1] and "batch 5" in lines[0]
+    assert all(" compiled in " in line for line in lines)
     jaxspec.generate(tiny_model, None, [[1, 2]] * 5, max_new_tokens=4)
-    assert "compiling" not in capsys.readouterr().err  # compiled already
+    assert "preparing" not in capsys.readouterr().err  # compiled already
     jaxspec.set_compile_notices(False)
     try:
         jaxspec.generate(tiny_model, None, [[1, 2]] * 6, max_new_tokens=4)
     finally:
         jaxspec.set_compile_notices(True)
-    assert "compiling" not in capsys.readouterr().err
+    assert "preparing" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -128,11 +128,12 @@ def test_quiet_silences_the_compile_notice(tiny, tiny_cache, converted, capsys):
     args = ("--no-chat", "--max-new-tokens", "4", "--model", str(converted))
     code, out, err = run(capsys, "generate", "tok1" * 9, *args, "--quiet")
     assert code == 0, err
-    assert "compiling" not in err and len(stats_lines(err)) == 1
+    assert "preparing" not in err and len(stats_lines(err)) == 1
     code, out, err = run(capsys, "generate", "tok1" * 17, *args)
     assert code == 0, err
-    [notice, *_] = [line for line in err.splitlines() if "compiling" in line]
-    assert notice.startswith("jaxspec: compiling prefill [plain, batch 1, prompts up to 64 tokens")
+    [notice, *_] = [line for line in err.splitlines() if "preparing" in line]
+    assert notice.startswith("jaxspec: preparing prefill [plain, batch 1, prompts up to 64 tokens")
+    assert " compiled in " in notice
 
 
 def _tree_bytes(root: pathlib.Path) -> int:

@@ -13,7 +13,7 @@ import pytest
 
 from jaxspec import checkpoints, compilation
 
-NOTICE = "jaxspec: compiling"
+NOTICE = "jaxspec: preparing"
 
 
 def fresh_program():
@@ -41,7 +41,8 @@ def test_a_compile_counts_its_seconds_and_a_cache_hit_counts_none(notices_on, ca
     assert first.seconds > 0.0
     # Tracing, lowering and the XLA compile each report an event; the notice comes once.
     [line] = notice_lines(capsys)
-    assert line.startswith(f"{NOTICE} the fresh program (once per shape in a process")
+    assert line.startswith(f"{NOTICE} the fresh program ... compiled in ")
+    assert line.endswith("s (once per shape in a process)")  # the suite keeps no disk cache
 
     with compilation.CompileWatch("the fresh program again") as again:
         program(x).block_until_ready()
@@ -77,7 +78,27 @@ def test_an_inner_watch_reports_to_the_outer_one(notices_on, capsys):
         fresh_program()(jnp.ones(2)).block_until_ready()
     assert inner.seconds > 0.0 and inner_only == inner.seconds
     assert outer.seconds > inner.seconds
-    assert [line.split(" (")[0] for line in notice_lines(capsys)] == [f"{NOTICE} inner", f"{NOTICE} outer"]
+    assert [line.split(" ...")[0] for line in notice_lines(capsys)] == [f"{NOTICE} inner", f"{NOTICE} outer"]
+
+
+def test_a_watch_whose_notice_a_nested_one_interrupts_ends_on_a_line_of_its_own(notices_on, capsys):
+    capsys.readouterr()
+    with compilation.CompileWatch("outer"):
+        fresh_program()(jnp.ones(2)).block_until_ready()
+        with compilation.CompileWatch("inner"):
+            fresh_program()(jnp.ones(2)).block_until_ready()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" ...")[0].split(": compiled")[0] for line in lines] == [
+        f"{NOTICE} outer", f"{NOTICE} inner", "jaxspec: outer"]
+    assert all(" compiled in " in line for line in lines[1:])
+
+
+def test_a_failed_compile_says_so(notices_on, capsys):
+    capsys.readouterr()
+    with pytest.raises(RuntimeError), compilation.CompileWatch("a doomed program"):
+        fresh_program()(jnp.ones(2)).block_until_ready()
+        raise RuntimeError("after its first compile")
+    assert notice_lines(capsys) == [f"{NOTICE} a doomed program ... failed"]
 
 
 def test_the_persistent_cache_follows_its_environment_variable(monkeypatch, tmp_path):
@@ -97,7 +118,8 @@ def test_the_persistent_cache_follows_its_environment_variable(monkeypatch, tmp_
 
 def test_generate_programs_persist_in_the_xla_cache(tmp_path):
     """In a fresh process, after a compile that came first (the random init): the prefill and
-    decode-loop programs land in $JAXSPEC_XLA_CACHE_DIR (every program: the 1 s floor set to 0)."""
+    decode-loop programs land in $JAXSPEC_XLA_CACHE_DIR (every program: the 1 s floor set to 0),
+    and a second process's notices say it loaded them from there."""
     script = (
         "import jax, jaxspec\n"
         "from jaxspec.models import llama\n"
@@ -108,7 +130,13 @@ def test_generate_programs_persist_in_the_xla_cache(tmp_path):
     )
     repo = pathlib.Path(__file__).resolve().parents[1]
     env = {**os.environ, compilation.XLA_CACHE_ENV: str(tmp_path / "xla"), "PYTHONPATH": str(repo)}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr
     written = sorted(path.name.split("-")[0] for path in (tmp_path / "xla").iterdir())
     assert "jit_prefill" in written and "jit_decode" in written, written
+    notices = [[line for line in proc.stderr.splitlines() if line.startswith("jaxspec: preparing")] for proc in runs]
+    assert [len(lines) for lines in notices] == [2, 2], notices  # the prefill and the decode loop, in each
+    assert all(" compiled in " in line and "later runs load it from the XLA cache" in line for line in notices[0])
+    assert all(" loaded from the XLA cache in " in line for line in notices[1]), notices[1]
