@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -51,7 +51,9 @@ MIN_NEW_TOKENS_BUCKET = 128
 MIN_STOP_IDS_BUCKET = 8  # stop token ids (EOS included) travel as a padded array
 ROUND_ROOM = 64  # cache slots past the new tokens' bucket come in blocks of this many (prepare)
 
-Prompt = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
+Message = Mapping[str, Any]  # {"role": "user" | "assistant" | "system" | ..., "content": str}
+Prompt = (str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Sequence[Message]
+          | Sequence[Sequence[Message]])
 
 
 class _Required:
@@ -220,6 +222,10 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the `logprobs` most likely (token id, log-prob) there, best first
+    # The token's own text and each alternative's (special tokens spelled out; a token holding part
+    # of a UTF-8 character reads U+FFFD); None and () for a model without a tokenizer.
+    text: str | None = None
+    top_text: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,25 +237,57 @@ class GenerateResult:
     logprobs: list[list[TokenLogprob]] | None = None  # per row, per token in `tokens`; with logprobs=N
 
 
-def prompt_ids(prompt, model: Model, chat: bool | None) -> list[list[int]]:
-    """A prompt (str, list of str, ids, batch of ids) as a list of id lists: text tokenized (with
-    the chat template when `chat`; None: when the model's tokenizer has one), ids checked against
-    the vocabulary. InvalidRequestError names what is wrong."""
+def _is_conversation(item) -> bool:
+    """Whether `item` is a list of chat messages (its first element a mapping)."""
+    return isinstance(item, Sequence) and not isinstance(item, str | bytes | bytearray) and bool(item) and (
+        isinstance(item[0], Mapping))
+
+
+def _conversation_ids(messages, model: Model, index: int, add_generation_prompt: bool) -> list[int]:
+    """A conversation's ids through the model's chat template, each message checked by name."""
+    if model.tokenizer is None or not model.tokenizer.chat_template:
+        raise InvalidRequestError(f"prompt {index} is a list of messages, but this model's tokenizer has no chat "
+                                  "template: pass the text (or token ids) instead")
+    for turn, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(f"prompt {index}, message {turn} must be a dict with 'role' and 'content'; "
+                                      f"got {message!r:.60}")
+        for field in ("role", "content"):
+            if not isinstance(message.get(field), str):
+                raise InvalidRequestError(f"prompt {index}, message {turn} needs a string {field!r}; got "
+                                          f"{message.get(field)!r:.60}")
+            check_text(message[field], f"prompt {index}, message {turn}'s {field}")
+    return model.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+
+
+def prompt_ids(prompt, model: Model, chat: bool | None, *, add_generation_prompt: bool = True) -> list[list[int]]:
+    """A prompt as a list of id lists. A prompt is a string, a list of {"role", "content"}
+    messages (a conversation), token ids, or a batch of any of these. Strings are tokenized (with
+    the chat template when `chat`; None: when the model's tokenizer has one); a conversation
+    always goes through the chat template, whatever `chat` (ending with the assistant's cue
+    unless `add_generation_prompt` is False); ids are checked against the vocabulary.
+    InvalidRequestError names what is wrong."""
     if chat is None:
         chat = model.tokenizer is not None and bool(model.tokenizer.chat_template)
     if isinstance(prompt, np.ndarray):
         prompt = prompt.tolist()
     if isinstance(prompt, bytes | bytearray):  # a Sequence of ints to Python, never token ids
         raise InvalidRequestError("prompt is bytes; pass a str (decode it first) or a list of token ids")
-    if isinstance(prompt, str):
+    if isinstance(prompt, Mapping):
+        raise InvalidRequestError("prompt is one message; a conversation is a list of messages: [{'role': 'user', "
+                                  "'content': ...}]")
+    if isinstance(prompt, str) or _is_conversation(prompt):
         prompt = [prompt]
     if not isinstance(prompt, Sequence) or len(prompt) == 0:
-        raise InvalidRequestError(f"prompt must be a non-empty string, list of strings or token ids; got {prompt!r:.80}")
+        raise InvalidRequestError(f"prompt must be a non-empty string, list of messages or token ids, or a batch "
+                                  f"of them; got {prompt!r:.80}")
     if all(is_integer(p) for p in prompt):
         prompt = [list(prompt)]
     rows = []
     for index, item in enumerate(prompt):
-        if isinstance(item, str):
+        if _is_conversation(item):
+            ids = _conversation_ids(item, model, index, add_generation_prompt)
+        elif isinstance(item, str):
             if model.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids, not text")
             if not item:
@@ -260,7 +298,8 @@ def prompt_ids(prompt, model: Model, chat: bool | None) -> list[list[int]]:
               and all(is_integer(t) for t in item)):
             ids = [int(t) for t in item]
         else:
-            raise InvalidRequestError(f"prompt {index} must be a string or a list of token ids; got {item!r:.80}")
+            raise InvalidRequestError(f"prompt {index} must be a string, a list of messages or a list of token ids; "
+                                      f"got {item!r:.80}")
         if not ids:
             raise InvalidRequestError(f"prompt {index} is empty")
         bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
@@ -513,19 +552,27 @@ def _stats(prepared: Prepared, state: loop.DecodeState, *, prefill_seconds, deco
     )
 
 
-def _logprobs(state: loop.DecodeState, rows: int) -> list[list[TokenLogprob]] | None:
-    """Each of the first `rows` rows' generated tokens with their log-probs, copied to the host."""
+def _logprobs(state: loop.DecodeState, rows: int, tokenizer: Tokenizer | None) -> list[list[TokenLogprob]] | None:
+    """Each of the first `rows` rows' generated tokens with their log-probs (and, with a tokenizer,
+    their texts), copied to the host."""
     if state.logprobs is None:
         return None
     history, starts, counts, logprobs = to_host((state.tokens, state.prompt_length, state.num_generated,
                                                  state.logprobs))
+
+    def text(token: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)
+
     result = []
     for row in range(rows):
-        span = range(starts[row], starts[row] + counts[row])
-        result.append([TokenLogprob(token=int(history[row, at]), logprob=float(logprobs.chosen[row, at]),
-                                    top=tuple((int(t), float(v)) for t, v in zip(logprobs.top_ids[row, at],
-                                                                                 logprobs.top_logprobs[row, at])))
-                       for at in span])
+        entries = []
+        for at in range(starts[row], starts[row] + counts[row]):
+            token, top_ids = int(history[row, at]), [int(t) for t in logprobs.top_ids[row, at]]
+            entries.append(TokenLogprob(
+                token=token, logprob=float(logprobs.chosen[row, at]),
+                top=tuple(zip(top_ids, map(float, logprobs.top_logprobs[row, at]))), text=text(token),
+                top_text=() if tokenizer is None else tuple(map(text, top_ids))))
+        result.append(entries)
     return result
 
 
@@ -556,9 +603,11 @@ def generate(model: Model, draft_params: Model | None = None, prompt: Prompt = R
     """Generate from `model` on device: one jitted prefill, then one jitted `lax.while_loop`.
 
     `prompt` (required: third, `generate(model, draft, prompt)`, or by name,
-    `generate(model, prompt=...)`) is a string, a list of strings (a batch), token ids, or a batch
-    of token ids. Text goes through the model's chat template where its tokenizer has one
-    (`chat=None`, the default, as in the CLI); `chat=False` encodes it raw.
+    `generate(model, prompt=...)`) is a string, a conversation (a list of {"role", "content"}
+    messages), token ids, or a batch (a list) of any of these. A string goes through the model's
+    chat template where its tokenizer has one (`chat=None`, the default, as in the CLI);
+    `chat=False` encodes it raw. A conversation always goes through the template (a model
+    without one refuses it by name).
     `options` are the fields of `GenerateOptions`, which holds their defaults and checks them.
     Speculation: `method` is "ngram" (prompt lookup), "draft" (`draft_params`, a model sharing
     the vocabulary), "layer_skip" (the target's first `exit_layer` layers; default half),
@@ -577,8 +626,9 @@ def generate(model: Model, draft_params: Model | None = None, prompt: Prompt = R
     "q5_1", one name for both or a (K, V) pair such as ("q8_0", "q5_1"); `attention` is "auto"
     (jaxspec.cpu's native kernel where the weights run on the native CPU backend, XLA's attention
     elsewhere), "reference", "native", or the Pallas kernel by name, "pallas" (GPU) or "interpret".
-    The first call for a shape compiles (a `compiling ...` line on stderr, see
-    `jaxspec.compilation`); compiled programs persist on disk across runs.
+    The first call for a shape compiles (a `preparing ...` line on stderr says how long, and
+    whether the program came from the disk cache: `jaxspec.compilation`); compiled programs
+    persist on disk across runs.
     """
     prepared = prepare(model, draft_params, prompt, **options)
     compilation.enable_persistent_cache()
@@ -593,7 +643,8 @@ def generate(model: Model, draft_params: Model | None = None, prompt: Prompt = R
     reasons = [loop.FINISH_NAMES[int(r)] for r in to_host(state.finish_reason)[:rows]]
     stats = _stats(prepared, state, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
                    compile_seconds=compile_prefill + compile_decode, rows=rows)
-    return _finish(model, prepared, loop.generated_tokens(state, rows), reasons, stats, _logprobs(state, rows))
+    return _finish(model, prepared, loop.generated_tokens(state, rows), reasons, stats,
+                   _logprobs(state, rows, model.tokenizer))
 
 
 class Stream:
@@ -662,7 +713,7 @@ class Stream:
         reasons = ["stop" if stopped_by_string else loop.FINISH_NAMES[int(to_host(state.finish_reason)[0])]]
         stats = _stats(prepared, state, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
                        compile_seconds=compile_seconds, rows=1)
-        logprobs = _logprobs(state, 1)
+        logprobs = _logprobs(state, 1, model.tokenizer)
         if logprobs is not None:  # a stop string can end the stream before the state's last token
             logprobs = [logprobs[0][: len(generated)]]
         self.result = _finish(model, prepared, [generated], reasons, stats, logprobs)

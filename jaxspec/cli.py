@@ -291,7 +291,7 @@ def _generate(args) -> None:
     if not main_process:
         return
     if stream.result.logprobs is not None:
-        _print_logprobs(stream.result.logprobs[0], model.tokenizer)
+        _print_logprobs(stream.result.logprobs[0])
     stats = stream.result.stats
     speculation = ""
     if stats.method != "plain" and stats.rounds == 0:  # the prefill's token ended the row: nothing was verified
@@ -313,15 +313,15 @@ def _generate(args) -> None:
     )
 
 
-def _print_logprobs(logprobs, tokenizer) -> None:
-    """One line per generated token: the token, its log-prob, then the alternatives, best first."""
-    def shown(token_id: int) -> str:
-        return repr(tokenizer.decode([token_id], skip_special_tokens=False)) if tokenizer is not None else str(token_id)
-
+def _print_logprobs(logprobs) -> None:
+    """One line per generated token: the token, its log-prob, then the alternatives, best first
+    (as text where the model has a tokenizer, else as ids)."""
     print("\n\nlog-probs (token, log-prob, then the most likely tokens there):")
     for entry in logprobs:
-        alternatives = ", ".join(f"{shown(token)} {value:.4f}" for token, value in entry.top)
-        print(f"  {shown(entry.token):>16} {entry.logprob:9.4f}" + (f"   | {alternatives}" if alternatives else ""))
+        shown = [repr(text) for text in entry.top_text] or [str(token) for token, _ in entry.top]
+        alternatives = ", ".join(f"{name} {value:.4f}" for name, (_, value) in zip(shown, entry.top))
+        own = repr(entry.text) if entry.text is not None else str(entry.token)
+        print(f"  {own:>16} {entry.logprob:9.4f}" + (f"   | {alternatives}" if alternatives else ""))
 
 
 def _score(args) -> None:

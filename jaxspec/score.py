@@ -85,11 +85,12 @@ def _bos_id(model: Model) -> int | None:
 
 
 def _rows(model: Model, texts_or_ids, add_bos: bool | None) -> list[list[int]]:
-    """The rows to score as token ids, checked: texts tokenized as a prompt (api.prompt_ids),
-    BOS added or removed at the front as `add_bos` asks, each row 2 .. context tokens long."""
+    """The rows to score as token ids, checked: texts tokenized raw, conversations through the chat
+    template with no assistant cue after the last message (api.prompt_ids), BOS added or removed
+    at the front as `add_bos` asks, each row 2 .. context tokens long."""
     if add_bos is not None and not isinstance(add_bos, bool):
         raise InvalidRequestError(f"add_bos must be None, True or False; got {add_bos!r}")
-    rows = prompt_ids(texts_or_ids, model, chat=False)
+    rows = prompt_ids(texts_or_ids, model, chat=False, add_generation_prompt=False)
     if add_bos is not None:
         bos = _bos_id(model)
         if bos is None:
@@ -112,8 +113,9 @@ def _rows(model: Model, texts_or_ids, add_bos: bool | None) -> list[list[int]]:
 def score(model: Model, texts_or_ids, *, add_bos: bool | None = None, chunk_tokens: int = 256) -> ScoreResult:
     """Teacher-forced log-probs of every token after the first, and perplexity, per row.
 
-    `texts_or_ids`: a string, a list of strings (tokenized as `generate` tokenizes a prompt, BOS
-    included where the tokenizer adds one), token ids, or a batch of token ids (rows of any
+    `texts_or_ids`: a string (tokenized raw, BOS included where the tokenizer adds one), a
+    conversation (a list of {"role", "content"} messages, rendered by the chat template as it
+    stands, with no cue for a next turn), token ids, or a batch of any of these (rows of any
     lengths, each at least 2 tokens). `add_bos`: None scores rows as tokenized or given; True
     starts every row with the model's BOS (added where missing); False starts none with it.
     `chunk_tokens`: positions run per forward (logits of [rows, chunk_tokens, V] at most).

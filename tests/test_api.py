@@ -13,11 +13,13 @@ import pytest
 
 import jaxspec
 from jaxspec import api, checkpoints, compilation
-from jaxspec.models import qwen35
+from jaxspec.models import llama, qwen35
 from jaxspec.models.qwen35 import LayerType, Qwen35Config
 from jaxspec.tokenizer import Tokenizer
 from tests.conftest import random_drafts
 from tests.test_tokenizer import _tiny_metadata
+
+score_lib = importlib.import_module("jaxspec.score")  # the module (jaxspec.score is also the function)
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
@@ -178,6 +180,67 @@ def test_chat_defaults_to_the_models_template(tiny_model):
     raw = dataclasses.replace(model, tokenizer=untemplated)
     assert jaxspec.prepare(raw, prompt="hello").rows == [untemplated.encode("hello")]
     assert templated.encode_chat("hello") != templated.encode("hello")
+
+
+def _templated_model(tiny_model, chat_template: bool = True):
+    """tiny_model with a byte-level tokenizer (a ChatML template, or none) and its vocabulary size
+    (prepare reads no weight)."""
+    metadata = _tiny_metadata()
+    if not chat_template:
+        del metadata["tokenizer.chat_template"]
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    config = dataclasses.replace(tiny_model.config, vocab_size=tokenizer.vocab_size)
+    return dataclasses.replace(tiny_model, config=config, tokenizer=tokenizer)
+
+
+def test_a_conversation_goes_through_the_template_whatever_chat_says(tiny_model):
+    model = _templated_model(tiny_model)
+    talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "world"}]
+    expected = model.tokenizer.encode_chat(talk)
+    for chat in (None, True, False):
+        assert jaxspec.prepare(model, prompt=talk, chat=chat).rows == [expected]
+    batch = jaxspec.prepare(model, prompt=[talk, talk[1:2], "hello"], chat=False).rows
+    assert batch == [expected, model.tokenizer.encode_chat(talk[1:2]), model.tokenizer.encode("hello")]
+    # score: the conversation as it stands, no cue for another turn.
+    assert score_lib._rows(model, talk, add_bos=None) == [model.tokenizer.encode_chat(talk, add_generation_prompt=False)]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"role": "user", "content": "hello"}, "prompt is one message; a conversation is a list of messages"),
+    ([{"role": "user"}], r"prompt 0, message 0 needs a string 'content'; got None"),
+    ([{"role": "user", "content": "hi"}, "hello"], r"prompt 0, message 1 must be a dict with 'role' and 'content'"),
+    ([[{"role": 3, "content": "hi"}]], r"prompt 0, message 0 needs a string 'role'; got 3"),
+    ([{"role": "user", "content": "hi\udcff"}], r"lone surrogate"),
+])
+def test_a_malformed_conversation_is_named(tiny_model, prompt, message):
+    with pytest.raises(jaxspec.InvalidRequestError, match=message):
+        jaxspec.prepare(_templated_model(tiny_model), prompt=prompt)
+
+
+def test_a_conversation_needs_a_chat_template(tiny_model):
+    talk = [{"role": "user", "content": "hello"}]
+    for model in (_templated_model(tiny_model, chat_template=False), tiny_model):  # no template; no tokenizer
+        with pytest.raises(jaxspec.InvalidRequestError, match="prompt 0 is a list of messages, but this model's "
+                                                              "tokenizer has no chat template"):
+            jaxspec.prepare(model, prompt=talk)
+
+
+def test_logprobs_carry_each_tokens_text(tiny_model):
+    tokenizer = Tokenizer.from_gguf_metadata(_tiny_metadata())
+    cfg = dataclasses.replace(tiny_model.config, vocab_size=tokenizer.vocab_size)
+    model = jaxspec.Model(config=cfg, params=llama.init_params(cfg, jax.random.PRNGKey(4), scale=0.2),
+                          tokenizer=tokenizer)
+    result = jaxspec.generate(model, prompt="hello world", max_new_tokens=6, ignore_eos=True, logprobs=3)
+    entries = result.logprobs[0]
+    assert [entry.token for entry in entries] == result.tokens[0]
+    for entry in entries:
+        assert entry.text == tokenizer.decode([entry.token], skip_special_tokens=False)
+        assert entry.top_text == tuple(tokenizer.decode([token], skip_special_tokens=False) for token, _ in entry.top)
+        assert len(entry.top_text) == 3
+    assert "".join(entry.text for entry in entries) == tokenizer.decode(result.tokens[0], skip_special_tokens=False)
+    assert all(entry.text is None and entry.top_text == () for entry in
+               jaxspec.generate(tiny_model, prompt=[1, 2], max_new_tokens=2, logprobs=1).logprobs[0])
 
 
 def test_a_tree_drafts_to_its_depth_and_refuses_a_num_draft_tokens(tiny_model):
