@@ -24,7 +24,6 @@ from jaxspec.models.quant import WeightFormat
 from jaxspec.options import DEFAULT_DRAFT_TOKENS, GenerateOptions
 from jaxspec.score import score
 from jaxspec.spec.methods import DRAFT_SAMPLING, DRAFTERS, Method
-from jaxspec.spec.tree import DraftTree
 
 EXIT_BAD_INPUT = 2
 WEIGHT_FORMAT_FLAG = dict(
@@ -227,12 +226,15 @@ _PYTHON_NAME = re.compile(r"\b(" + "|".join(map(re.escape, PYTHON_NAMES_TO_FLAGS
 _METHOD_EQUALS = re.compile(r"method='(\w+)'")
 
 
-def in_cli_terms(message: str) -> str:
-    """An API error message with Python names (draft_params, method='eagle3') as CLI flags. A
-    DraftTree's own fields (depth, top_k, num_nodes) are parts of --tree, not flags: its top_k
-    is not the sampling --top-k, so its messages are only marked as --tree's."""
-    if message.startswith(f"{DraftTree.__name__} "):
-        return f"--tree: {message}"
+def in_cli_terms(error: JaxspecError) -> str:
+    """An API error's message with the Python option names it mentions (draft_params,
+    method='eagle3') as the CLI's flags, each an exact name of PYTHON_NAMES_TO_FLAGS. An error
+    about one flag's value (`InvalidRequestError.flag`: a DraftTree's top_k is part of --tree,
+    not the sampling --top-k) is printed as written, marked as that flag's."""
+    message = str(error)
+    flag = getattr(error, "flag", None)  # only InvalidRequestError carries one
+    if flag is not None:
+        return f"{flag}: {message}"
     message = _METHOD_EQUALS.sub(r"--method \1", message)
     return _PYTHON_NAME.sub(lambda match: PYTHON_NAMES_TO_FLAGS[match.group(1)], message)
 
@@ -454,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "train-head":
             return _train_head(args)
     except JaxspecError as error:
-        message = in_cli_terms(str(error)) if args.command == "generate" else str(error)
+        message = in_cli_terms(error) if args.command == "generate" else str(error)
         print(f"error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0

@@ -20,7 +20,16 @@ class UnsupportedModelError(JaxspecError):
 
 
 class InvalidRequestError(JaxspecError):
-    """A generation request is out of range (prompt, token ids, sampling parameters, lengths)."""
+    """A generation request is out of range (prompt, token ids, sampling parameters, lengths).
+
+    `flag`: the CLI flag the whole error is about, where its text names the parts of that one
+    value (a DraftTree's depth, top_k and num_nodes are parts of --tree, not the sampling
+    --top-k): the CLI then prints "FLAG: message" as written instead of renaming the options
+    the message names."""
+
+    def __init__(self, message: str, *, flag: str | None = None):
+        super().__init__(message)
+        self.flag = flag
 
 
 def is_integer(value) -> bool:

@@ -276,3 +276,7 @@ def test_cli_refuses_a_bad_tree_in_one_line(capsys):
     assert err.strip().splitlines() == [
         "error: --tree: DraftTree num_nodes (7) exceeds the 6 candidates a depth-2, top_k-2 tree grows "
         "(top_k + (depth - 1) * top_k^2)"]
+    # Two numbers, not three: the tree's own format, its top_k not renamed to the sampling flag.
+    code, out, err = run(capsys, "generate", "hi", "--model", "/nonexistent", "--method", "ngram", "--tree", "4,4")
+    assert err.strip().splitlines() == [
+        "error: --tree: tree must be a DraftTree, a (depth, top_k, num_nodes) triple or 'DEPTH,TOPK,NODES'; got '4,4'"]

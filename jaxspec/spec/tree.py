@@ -55,20 +55,22 @@ class DraftTree:
         for name in ("depth", "top_k", "num_nodes"):
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
-                raise InvalidRequestError(f"DraftTree {name} must be an integer >= 1; got {value!r}")
+                raise InvalidRequestError(f"DraftTree {name} must be an integer >= 1; got {value!r}",
+                                          flag="--tree")
             # A numpy integer becomes a Python int: the tree is a static jit argument, hashed and
             # compared as the same tree however its fields were given.
             object.__setattr__(self, name, int(value))
         if self.num_nodes < self.depth:
             raise InvalidRequestError(
                 f"DraftTree num_nodes ({self.num_nodes}) must be >= depth ({self.depth}): a tree of depth "
-                f"{self.depth} has at least {self.depth} nodes")
+                f"{self.depth} has at least {self.depth} nodes", flag="--tree")
         if self.num_nodes > self.max_nodes:
             raise InvalidRequestError(
                 f"DraftTree num_nodes ({self.num_nodes}) exceeds the {self.max_nodes} candidates a depth-"
-                f"{self.depth}, top_k-{self.top_k} tree grows (top_k + (depth - 1) * top_k^2)")
+                f"{self.depth}, top_k-{self.top_k} tree grows (top_k + (depth - 1) * top_k^2)", flag="--tree")
         if self.num_nodes > MAX_TREE_NODES:
-            raise InvalidRequestError(f"DraftTree num_nodes ({self.num_nodes}) must be <= {MAX_TREE_NODES}")
+            raise InvalidRequestError(f"DraftTree num_nodes ({self.num_nodes}) must be <= {MAX_TREE_NODES}",
+                                      flag="--tree")
 
     @property
     def max_nodes(self) -> int:
@@ -92,10 +94,11 @@ class DraftTree:
             try:
                 parts = [int(part) for part in parts]
             except ValueError:
-                raise InvalidRequestError(f"a tree is {TREE_FORMAT} (three integers); got {value!r}") from None
+                raise InvalidRequestError(f"a tree is {TREE_FORMAT} (three integers); got {value!r}",
+                                          flag="--tree") from None
         if not isinstance(parts, (tuple, list)) or len(parts) != 3:
             raise InvalidRequestError(f"tree must be a DraftTree, a (depth, top_k, num_nodes) triple or "
-                                      f"{TREE_FORMAT!r}; got {value!r}")
+                                      f"{TREE_FORMAT!r}; got {value!r}", flag="--tree")
         return cls(*parts)
 
     def __str__(self) -> str:
