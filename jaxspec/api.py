@@ -23,7 +23,6 @@ import numpy as np
 from jaxspec import checkpoints, compilation, models
 from jaxspec import grammar as grammar_lib
 from jaxspec.cache import KVFormat
-from jaxspec.checkpoints.assemble import release_freed_memory
 from jaxspec.errors import InvalidRequestError, check_text, is_integer
 from jaxspec.model import Model, check_trunk, layer_skip, lm_head_of, on_mesh_of, with_weight_format
 from jaxspec.models import backends, quant
@@ -102,41 +101,20 @@ def load(name_or_path: str = DEFAULT_MODEL, *, weight_format: WeightFormat | str
                  weight_format=weight_format)
 
 
-class _LinearField:
-    """A linear field's weight, marked while `_lay_out` walks a flattened params tree (a leaf to jax)."""
-
-    __slots__ = ("weight",)
-
-    def __init__(self, weight):
-        self.weight = weight
-
-
-def _unmark(leaf):
-    return leaf.weight if isinstance(leaf, _LinearField) else leaf
-
-
 def _lay_out(loaded: list, products: Products) -> Any:
     """The params `loaded` holds (its only reference; the list is emptied) with q/k/v and gate/up
     fused (`fuse_projections`) and every linear weight laid out for `products`, one attention or
     MLP block (or one weight outside them) at a time, each loaded piece dropped as soon as its
-    replacement is built: a load then peaks near one copy of the weights, not three (loaded,
-    fused, laid out)."""
-    params = loaded.pop()
-    products = backends.resolve(products, quant.format_of(params))
-    marked = quant.map_linear(params, _LinearField)
-    del params
-    is_block = lambda node: isinstance(node, _LinearField | AttentionParams | MlpParams)  # noqa: E731
-    pieces, treedef = jax.tree.flatten(marked, is_leaf=is_block)
-    del marked
-    for index, piece in enumerate(pieces):
-        pieces[index] = None
-        if isinstance(piece, _LinearField):
-            piece = _LinearField(backends.apply_weight(piece.weight, products))
-        elif isinstance(piece, AttentionParams | MlpParams):
-            piece = backends.apply(fuse_projections(quant.map_linear(piece, _unmark)), products)
-        pieces[index], piece = jax.block_until_ready(piece), None  # its sources freed before the next
-        release_freed_memory()
-    return quant.map_linear(jax.tree.unflatten(treedef, pieces), _unmark)
+    replacement is built (`quant.map_linear_consuming`): a load then peaks near one copy of the
+    weights, not three (loaded, fused, laid out)."""
+    products = backends.resolve(products, quant.format_of(loaded[0]))
+
+    def lay_out(piece: Any) -> Any:
+        if isinstance(piece, AttentionParams | MlpParams):
+            return backends.apply(fuse_projections(piece), products)
+        return backends.apply_weight(piece, products)
+
+    return quant.map_linear_consuming(loaded, lay_out, whole=(AttentionParams, MlpParams))
 
 
 def _load_head_dir(path, weight_format: WeightFormat = WeightFormat.AUTO) -> Model | None:

@@ -11,9 +11,7 @@ the config.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import functools
 import pathlib
 import re
 from collections.abc import Callable, Container, Iterable
@@ -23,8 +21,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxspec.cpu.packing import aligned
 from jaxspec.errors import CheckpointError, JaxspecError, UnsupportedModelError
+from jaxspec.hostmem import aligned, release_freed_memory
 from jaxspec.models.family import TensorSource
 from jaxspec.models.params import is_shape
 
@@ -92,24 +90,6 @@ def to_jax(params: Any) -> Any:
     tensors do), skipping a copy of every weight.
     """
     return jax.device_put(params, may_alias=True)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc's; absent elsewhere (musl, macOS)
-    except (OSError, AttributeError):
-        return None
-
-
-def release_freed_memory() -> None:
-    """Hand the host memory freed so far back to the OS (glibc's `malloc_trim`; a no-op without
-    it). glibc keeps freed blocks in the arena of the thread that freed them, and the next large
-    array may come from another: a load that replaces its weights piece by piece otherwise
-    grows its resident memory by the weights it has already dropped."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def to_jax_consuming(leaves: list) -> list:

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxspec.hostmem import aligned_empty
+
 GROUP_ROWS = 16  # output rows per group (common.h kGroupRows)
 WORD = 4  # int8 inputs per packed word (one VNNI multiply-add)
 
@@ -69,7 +71,7 @@ def pack_int8(values, scales) -> PackedWeight:
 
 def pack_f32(matrix) -> PackedWeight:
     """A float32 matrix [O, I] (host array) -> PackedWeight (numpy leaves), written straight into
-    an aligned array (`aligned_empty`): a load's largest transient is one copy of its largest
+    an aligned array (`hostmem.aligned_empty`): a load's largest transient is one copy of its largest
     weight, not three."""
     matrix = np.asarray(matrix, np.float32)
     out_features, in_features = matrix.shape
@@ -81,30 +83,6 @@ def pack_f32(matrix) -> PackedWeight:
         data[full, :, :rest] = matrix[full * GROUP_ROWS :].T
         data[full, :, rest:] = 0
     return PackedWeight(data=data, out_features=out_features, in_features=in_features)
-
-
-HOST_ALIGNMENT = 64  # bytes: XLA:CPU adopts a host buffer aligned to this without copying it
-
-
-def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """An uninitialised numpy array whose data starts on a HOST_ALIGNMENT boundary, so that
-    `jax.device_put` on a CPU adopts it instead of copying (numpy's own arrays start 16 bytes
-    past one, and every device_put of them is a copy)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    buffer = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
-    start = -buffer.ctypes.data % HOST_ALIGNMENT
-    return buffer[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def aligned(array: np.ndarray) -> np.ndarray:
-    """`array` as a C-contiguous numpy array on a HOST_ALIGNMENT boundary (itself if it is one)."""
-    array = np.asarray(array)
-    if array.flags.c_contiguous and array.ctypes.data % HOST_ALIGNMENT == 0:
-        return array
-    out = aligned_empty(array.shape, array.dtype)
-    out[...] = array
-    return out
 
 
 def unpack_int8(packed: PackedWeight) -> tuple[np.ndarray, np.ndarray]:

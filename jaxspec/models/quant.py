@@ -394,14 +394,29 @@ def _convert_leaf(leaf: Any, fmt: WeightFormat) -> Any:
     on_device = not isinstance(jax.tree.leaves(leaf)[0], np.ndarray)
     host = jax.device_get(leaf)
     if fmt is WeightFormat.INT8:
-        converted = quantize_rows(dequantize(host) if isinstance(host, Q4Weight) else host)
+        converted = _by_rows(lambda rows: quantize_rows(dequantize(rows) if isinstance(rows, Q4Weight) else rows), host)
     elif fmt is WeightFormat.Q4:
-        converted = quantize_q4(dequantize(host))
+        converted = _by_rows(lambda rows: quantize_q4(dequantize(rows)), host)
     else:
         converted = dequantize(host)
         if fmt is WeightFormat.BF16:
             converted = converted.astype(jnp.bfloat16)
     return jax.device_put(converted) if on_device else converted
+
+
+# Rows a host weight is quantized in at once: every quantizer works row by row, and its float32
+# temporaries are several times what it quantizes (a 151,936-row embedding's were ~3 GB at once).
+QUANTIZE_ROWS = 8192
+
+
+def _by_rows(quantize: Any, weight: Any) -> Any:
+    """`quantize(weight)` of a host weight [O, I], QUANTIZE_ROWS rows at a time (the same codes:
+    each row is quantized on its own)."""
+    rows = weight.shape[0]
+    if rows <= QUANTIZE_ROWS:
+        return quantize(weight)
+    row_slice = lambda start: jax.tree.map(lambda field: field[start : start + QUANTIZE_ROWS], weight)  # noqa: E731
+    return concat_rows(*(quantize(row_slice(start)) for start in range(0, rows, QUANTIZE_ROWS)))
 
 
 def map_linear(tree: Any, fn: Any) -> Any:
@@ -426,6 +441,48 @@ def convert(params: Any, fmt: WeightFormat | str) -> Any:
     platform). Works on host numpy trees (a loader's) and device trees alike."""
     fmt = WeightFormat.parse(fmt).resolve()
     return map_linear(params, lambda leaf: _convert_leaf(leaf, fmt))
+
+
+def convert_consuming(loaded: list, fmt: WeightFormat | str) -> Any:
+    """`convert(loaded.pop(), fmt)`, each weight dropped as soon as its converted twin exists
+    (`map_linear_consuming`): a loader's tree then never stands beside a whole converted copy."""
+    fmt = WeightFormat.parse(fmt).resolve()
+    return map_linear_consuming(loaded, lambda leaf: _convert_leaf(leaf, fmt))
+
+
+class LinearField:
+    """A linear field's value, marked while `map_linear_consuming` walks a flattened params tree
+    (a leaf to jax, whatever the value)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _unmark(leaf: Any) -> Any:
+    return leaf.value if isinstance(leaf, LinearField) else leaf
+
+
+def map_linear_consuming(loaded: list, fn: Any, *, whole: tuple[type, ...] = ()) -> Any:
+    """`map_linear(tree, fn)` for the tree `loaded` holds, the list emptied (it must be the tree's
+    only holder): each piece is dropped as soon as `fn`'s result for it exists (waited for, the
+    freed memory handed back), so the work peaks near one copy of the tree and one piece, not two
+    copies. A node of a type in `whole` (an attention block, whose q/k/v fuse together) goes to
+    `fn` whole; every other linear weight alone."""
+    from jaxspec.hostmem import release_freed_memory
+
+    marked = map_linear(loaded.pop(), LinearField)  # the marks hold the only references now
+    pieces, treedef = jax.tree.flatten(marked, is_leaf=lambda node: isinstance(node, (LinearField, *whole)))
+    del marked
+    for index, piece in enumerate(pieces):
+        if isinstance(piece, (LinearField, *whole)):
+            pieces[index] = None
+            result = (LinearField(fn(piece.value)) if isinstance(piece, LinearField)
+                      else fn(map_linear(piece, _unmark)))
+            pieces[index], piece, result = jax.block_until_ready(result), None, None
+            release_freed_memory()
+    return map_linear(jax.tree.unflatten(treedef, pieces), _unmark)
 
 
 def weight_format(weight: Weight) -> WeightFormat:
