@@ -149,7 +149,8 @@ def forward(
         the embedding output, the stream entering layer 0; L = cfg.num_layers is the stream
         after the final norm, HF's hidden_states[-1] and what an MTP head reads) is returned in
         the order asked, each [B, T, D].
-    attention: "auto" (the XLA reference; see `flash_decode.resolve_attention`), "reference",
+    attention: "auto" (the XLA reference; on a GPU the kernel where jaxspec.pallas.tuning's table
+        has measured a win: `flash_decode.attend`), "reference",
         "pallas", or "interpret" (the kernel in the Pallas interpreter, for tests). The cache's
         own KV format (`KVCache.create(..., kv_format=...)`) decides how K/V are stored and read.
     tree_mask: a draft tree's ancestor mask over the T new tokens (jaxspec.pallas.flash_decode.TreeMask)

@@ -22,13 +22,15 @@ program's query rows; inside, a block of slots picks each slot's word with a sta
 W words (selects, no gather) and shifts its bit out. The walk then stops at the window's end,
 start + M. Without a mask the kernel is compiled without any of this (the causal rule above).
 
-The switch `Attention` picks between them: AUTO is the reference on every backend (the kernel,
-untuned on a GPU, was slower there: `resolve_attention`); PALLAS runs the kernel on a GPU and
+The switch `Attention` picks between them: AUTO is the reference, except on a GPU where the tuned
+table (jaxspec.pallas.tuning) has a measured win for the call's shape class and K/V format: there
+it is the kernel, with that row's parameters (`attend`). PALLAS runs the kernel on a GPU and
 INTERPRET in the Pallas interpreter (for tests, not speed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -39,8 +41,9 @@ from jax.experimental import pallas as pl
 
 from jaxspec.choice import Choice
 from jaxspec.errors import InvalidRequestError
-from jaxspec.pallas import kv_quant
+from jaxspec.pallas import kv_quant, tuning
 from jaxspec.pallas.kv_quant import BLOCK, Format, Packed
+from jaxspec.pallas.tuning import KernelParams
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 # The kernel's products in full float32 (IEEE on Triton).
@@ -87,7 +90,7 @@ NATIVE_MAX_TOKENS = 256
 
 
 class Attention(Choice):
-    AUTO = "auto"  # the XLA reference (the kernel only when asked for: resolve_attention)
+    AUTO = "auto"  # the XLA reference; on a GPU the kernel where the tuned table says it wins (attend)
     REFERENCE = "reference"  # flash_decode_reference (XLA)
     PALLAS = "pallas"  # the Pallas kernel, compiled natively (GPU)
     INTERPRET = "interpret"  # the Pallas kernel in the Pallas interpreter (tests on CPU)
@@ -144,8 +147,9 @@ def resolve_attention(attention: Attention | str) -> Attention:
 
     Why not the kernel on a GPU: on an H200 it was exact but slower than XLA's own attention over
     full rows, in every K/V format (bench/RESULTS.md, "Pallas kernels on a GPU"): its blocking was
-    never tuned on a GPU. It stays one argument away for ragged rows, where it skips empty blocks,
-    and for tuning."""
+    never tuned on a GPU. `attend` overrides AUTO per call on a GPU where the tuned table
+    (jaxspec.pallas.tuning) has measured the kernel beating XLA for the call's shape class and
+    K/V format: a choice that needs the call's shapes, which only `attend` sees."""
     attention = Attention.parse(attention)
     backend = jax.default_backend()
     if attention is Attention.AUTO:
@@ -198,7 +202,8 @@ def _ungrouped(out: jax.Array, steps: int) -> jax.Array:
 def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *,
                            mask: TreeMask | None = None, window: int | None = None,
                            query_positions: jax.Array | None = None, scale: float | None = None,
-                           block_s: int = 0, split_size: int = 0, interpret: bool = False) -> jax.Array:
+                           block_s: int = 0, split_size: int = 0, num_warps: int = 0, num_stages: int = 0,
+                           interpret: bool = False) -> jax.Array:
     """Masked softmax attention in float32 jnp: the whole cache, dequantized, in two einsums
     (for decode and verify sizes; a prefill a block of queries at a time, over the slots each
     block can reach: _prefill_attention).
@@ -207,9 +212,9 @@ def flash_decode_reference(q: jax.Array, keys: Packed, values: Packed, lengths: 
     mask: a `TreeMask` in place of the causal rule; window, query_positions: a sliding window
     (`mask_visible`); scale: the factor on q.k (default 1/sqrt(H); Gemma sets its own).
     Returns float32 [B, T, K, G, H].
-    block_s, split_size, interpret: kernel tiling, ignored here.
+    block_s, split_size, num_warps, num_stages, interpret: the kernel's, ignored here.
     """
-    del block_s, split_size, interpret
+    del block_s, split_size, num_warps, num_stages, interpret
     batch, steps, num_kv_heads, group, capacity, head_dim = _check_inputs(q, keys, values, lengths)
     if mask is not None:
         _check_mask(mask, batch, steps)
@@ -424,8 +429,9 @@ def _window_words(visible: jax.Array, rows: int) -> jax.Array:
     return jnp.take(words, jnp.arange(rows) % steps, axis=1)  # [B, R, W]
 
 
-@functools.partial(jax.jit, static_argnames=("block_s", "split_size", "interpret"))
-def _flash_decode_pallas(q, keys, values, lengths, mask=None, *, scale=None, block_s, split_size, interpret):
+@functools.partial(jax.jit, static_argnames=("block_s", "split_size", "num_warps", "num_stages", "interpret"))
+def _flash_decode_pallas(q, keys, values, lengths, mask=None, *, scale=None, block_s, split_size,
+                         num_warps=KernelParams.num_warps, num_stages=KernelParams.num_stages, interpret):
     batch, steps, num_kv_heads, group, capacity, head_dim = _check_inputs(q, keys, values, lengths)
     if mask is not None:
         _check_mask(mask, batch, steps)
@@ -463,7 +469,7 @@ def _flash_decode_pallas(q, keys, values, lengths, mask=None, *, scale=None, blo
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
-        compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=2)
+        compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
@@ -489,8 +495,9 @@ def _flash_decode_pallas(q, keys, values, lengths, mask=None, *, scale=None, blo
 
 
 def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, mask: TreeMask | None = None,
-                 scale: float | None = None, block_s: int = 64, split_size: int = 512,
-                 interpret: bool = False) -> jax.Array:
+                 scale: float | None = None, block_s: int = KernelParams.block_s,
+                 split_size: int = KernelParams.split_size, num_warps: int = KernelParams.num_warps,
+                 num_stages: int = KernelParams.num_stages, interpret: bool = False) -> jax.Array:
     """Attention of T queries per row over the cache, as a Pallas kernel.
 
     q: [B, T, K, G, H] (query head k*G + g; RoPE applied, unscaled); keys, values: [B, K, S, H]
@@ -499,13 +506,16 @@ def flash_decode(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array,
     `lengths` plays no part; every query must see some slot, as a tree node sees itself, or its
     output is NaN); scale: the factor on q.k (default 1/sqrt(H)). Returns float32 [B, T, K, G, H].
     block_s: slots per inner step; split_size: slots per program (S is split across programs);
-    both are rounded down to powers of two dividing S. interpret: run in the Pallas interpreter.
+    both are rounded down to powers of two dividing S. num_warps, num_stages: Triton's compile
+    options (ignored when interpreted). interpret: run in the Pallas interpreter.
+    The defaults are `KernelParams()`'s; the tuned table's rows give a GPU kind's own.
     """
-    if block_s < 1 or split_size < 1:
-        raise InvalidRequestError(f"{block_s=} and {split_size=} must be >= 1")
+    if min(block_s, split_size, num_warps, num_stages) < 1:
+        raise InvalidRequestError(f"{block_s=}, {split_size=}, {num_warps=} and {num_stages=} must be >= 1")
     kv_quant.check_backend(interpret, "flash_decode")
     return _flash_decode_pallas(q, keys, values, lengths, mask, scale=scale, block_s=block_s,
-                                split_size=split_size, interpret=interpret)
+                                split_size=split_size, num_warps=num_warps, num_stages=num_stages,
+                                interpret=interpret)
 
 
 def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, mask: TreeMask | None = None,
@@ -518,8 +528,14 @@ def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, ma
     kernel, T > NATIVE_MAX_TOKENS for the native one), and for a sliding window (`mask_visible`),
     which the kernels do not take yet (Gemma's local layers run on the reference; its global
     layers, with their own `scale`, on a kernel when asked for). The native kernel reads float32
-    buffers: a block-quantized cache takes the reference too."""
+    buffers: a block-quantized cache takes the reference too. AUTO on a GPU is the kernel where
+    the tuned table has a win for this GPU kind, shape class and K/V format (`_tuned_params`)."""
     path = resolve_attention(attention)
+    params = KernelParams()
+    if Attention.parse(attention) is Attention.AUTO and window is None:
+        tuned = _tuned_params(q, keys, values)
+        if tuned is not None:
+            path, params = Attention.PALLAS, tuned
     if path is Attention.NATIVE:
         if window is None and q.shape[1] <= NATIVE_MAX_TOKENS and not isinstance(keys, kv_quant.Q8_0 | kv_quant.Q5_1) \
                 and not isinstance(values, kv_quant.Q8_0 | kv_quant.Q5_1):
@@ -531,11 +547,21 @@ def attend(q: jax.Array, keys: Packed, values: Packed, lengths: jax.Array, *, ma
         return flash_decode_reference(q, keys, values, lengths, mask=mask, window=window,
                                       query_positions=query_positions, scale=scale)
     if path is Attention.PALLAS:
-        return flash_decode(q, keys, values, lengths, mask=mask, scale=scale)
+        return flash_decode(q, keys, values, lengths, mask=mask, scale=scale, **dataclasses.asdict(params))
     if path is Attention.INTERPRET:
         return flash_decode(q, keys, values, lengths, mask=mask, scale=scale, block_s=16, split_size=64,
                             interpret=True)
     return flash_decode_reference(q, keys, values, lengths, mask=mask, scale=scale)
+
+
+def _tuned_params(q: jax.Array, keys: Packed, values: Packed) -> KernelParams | None:
+    """On a GPU, the tuned table's parameters for this call where the kernel takes its shape and
+    has measured a win over XLA (jaxspec.pallas.tuning); else None."""
+    _, steps, _, group, head_dim = q.shape
+    capacity = _logical_shape(keys)[2]
+    if jax.default_backend() != "gpu" or group * steps > MAX_KERNEL_QUERIES or not kernel_supports(head_dim, capacity):
+        return None
+    return tuning.auto_params(steps, kv_quant.format_of(keys), kv_quant.format_of(values))
 
 
 def _native_attention(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, mask: TreeMask | None,
