@@ -10,19 +10,19 @@ hangs or runs out of memory leaves the next ones their time. A step writes OUT/<
 goes (one cut off at its limit keeps the rows it finished); OUT/gpu_run.md collects them, and
 each is printed when its step ends.
 
-  tests     every kernel against its reference, natively, from a built-in check that needs only
-            jax; then the kernel tests (tests/test_flash_decode.py, test_kv_quant.py,
-            test_int8_matmul.py) under pytest where pytest, chex and jaxspec's other dependencies
-            import (--cpu: collected only; the suite runs them interpreted)
+  tests     the kernel tests (tests/test_flash_decode.py, test_kv_quant.py, test_int8_matmul.py)
+            natively under pytest, where pytest, chex and jaxspec's other dependencies import
+            (--cpu: collected only; the suite runs them interpreted); then every kernel against
+            its reference in a built-in check that needs only jax
   sweep     the decode-attention kernel (jaxspec/pallas/flash_decode.py, Pallas's Triton
             backend) tuned per K/V format (bf16, q8_0, q5_1, q8_0 K + q5_1 V) over full rows
             (B=8, S=8192), ragged rows (lengths spread over [1, S]) and a verify (T=5): block_s
             x split_size at the default warps and stages, then num_warps x num_stages at the
-            best of those (jaxspec.pallas.tuning.GRID). Each config runs ITERS calls in one
+            best of those (jaxspec.pallas.tuning.GRID). Each config runs many calls in one
             jitted program (a fori_loop, so dispatch is not timed) beside XLA's attention, and
             the table gives each against the HBM roofline. Its last block is the tuned-table
             rows to paste into jaxspec/pallas/tuning.py. --cpu first exports the whole grid for
-            CUDA (Pallas's Triton lowering, no GPU needed), then times two configs.
+            CUDA (Pallas's Triton lowering, no GPU needed), then times two configs of one format.
   w8a16     the W8A16 product (jaxspec/pallas/int8_matmul.py) at Llama-3.2-1B's weight shapes,
             in one program (a fori_loop over passes through a stack of layers) beside XLA's int8
             product and XLA's bf16 dot
@@ -485,7 +485,8 @@ def step_sweep(ctx: Context) -> None:
             f"G={G} H={H}; decode T=1 over full rows (length S-1) and ragged rows (lengths "
             f"{', '.join(str(int(n)) for n in lengths['ragged'])}); verify T={T} over full rows.", "",
             "Every program, as timed (us per call):", "",
-            "| K / V | program | block_s | split | warps | stages | us per shape |", "|---|---|---:|---:|---:|---:|---|")
+            "| K / V | program | block_s | split | warps | stages | us per shape |",
+            "|---|---|---:|---:|---:|---:|---|")
     ctx.note(f"sweep: XLA's attention, {len(cells)} programs")
     reference = run_programs({(cell, "xla"): fd.flash_decode_reference for cell in cells})
     ctx.note(f"sweep: block_s x split_size, {len(first) * len(cells)} programs ({ctx.left():.0f} s left)")
@@ -644,9 +645,11 @@ def step_w8a16(ctx: Context) -> None:
 
 
 def w8a16_row(name, out_features, in_features, tokens, layers, timing, peak) -> str:
-    moved = {"kernel": out_features * in_features + 4 * out_features, "int8": out_features * in_features + 4 * out_features,
-             "bf16": 2 * out_features * in_features}
-    moved = {path: size + 2 * in_features * tokens + 4 * out_features * tokens for path, size in moved.items()}
+    """One product's table row from {path: (seconds, output) or the exception it raised}."""
+    int8_weight = out_features * in_features + 4 * out_features  # int8 values, float32 scales
+    activations = 2 * in_features * tokens + 4 * out_features * tokens  # bf16 x in, float32 out
+    moved = {"kernel": int8_weight + activations, "int8": int8_weight + activations,
+             "bf16": 2 * out_features * in_features + activations}
     cells, errors = [], []
     for path in ("kernel", "int8", "bf16"):
         value = timing.get(path)
