@@ -613,7 +613,7 @@ def generate(model: Model, draft_params: Model | None = None, prompt: Prompt = R
     draft = prepared.speculation.draft_inputs(model)
     args, spec = (model.params, draft), prepared.spec
     state, prefill_seconds, compile_prefill = _timed(
-        lambda: loop.prefill_jit(*args, prepared.request, spec=spec), f"prefill [{prepared.shape_summary}]")
+        lambda: loop.prefill_in_two(*args, prepared.request, spec=spec), f"prefill [{prepared.shape_summary}]")
     state, decode_seconds, compile_decode = _timed(
         lambda: loop.decode_jit(*args, state, prepared.request, spec=spec), f"decode loop [{prepared.shape_summary}]")
 
@@ -651,7 +651,7 @@ class Stream:
         generated: list[int] = []
 
         state, prefill_seconds, compile_seconds = _timed(
-            lambda: loop.prefill_jit(*args, request, spec=spec), f"prefill [{prepared.shape_summary}]")
+            lambda: loop.prefill_in_two(*args, request, spec=spec), f"prefill [{prepared.shape_summary}]")
         decode_seconds = 0.0
 
         def round_after(state):

@@ -13,6 +13,7 @@ import jaxspec
 from jaxspec.cache import KVCache
 from jaxspec.models import llama
 from jaxspec.spec import loop
+from tests.conftest import random_drafts
 from tests.conftest import TINY
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
@@ -183,3 +184,16 @@ def test_a_batch_of_one_writes_its_kv_cache_in_place(tiny_model, draft):
     kv_shapes = {"f32[%s]" % ",".join(map(str, buffer.shape)) for buffer in state.cache.keys}
     copied = [line.split(" copy(")[0].split("= ")[1] for line in program.splitlines() if " copy(" in line]
     assert kv_shapes and not [shape for shape in copied if shape.split("{")[0] in kv_shapes], copied
+
+
+def test_methods_that_read_no_target_stream_share_one_compiled_prefill(tiny_model):
+    """Plain decoding, prompt lookup and a draft model differ only in the proposer the prefill
+    sets up: the trunk's prefill (`prefill_target`) compiles once for all three, at one shape;
+    EAGLE-3, which reads three of the target's streams, gets a prefill of its own."""
+    prompt = [[3, 4, 5, 3, 4, 5, 3, 4]] * 3  # a batch of 3: a shape no other test compiles
+    target_before, start_before = loop.prefill_target_jit._cache_size(), loop.start_jit._cache_size()
+    outputs = [jaxspec.generate(tiny_model, prompt=prompt, max_new_tokens=6, ignore_eos=True, **drafts)
+               for drafts in ({}, random_drafts("ngram"), random_drafts("draft"), random_drafts("eagle3"))]
+    assert loop.prefill_target_jit._cache_size() - target_before == 2  # plain/ngram/draft, and eagle3's
+    assert loop.start_jit._cache_size() - start_before == 4
+    assert all(out.tokens == outputs[0].tokens for out in outputs)  # greedy: every method equals plain

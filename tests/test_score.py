@@ -190,7 +190,7 @@ def test_add_bos_starts_every_row_with_bos_or_none(hf_llama):
         ([[5, 6], [7]], {}, "row 1 has 1 token(s); scoring needs at least 2"),
         ([5, 128], {}, "token id 128 outside the vocabulary [0, 128)"),
         ([[5, 6], [-1, 4]], {}, "token id -1 outside the vocabulary"),
-        ([5, 6.5], {}, "must be a string or a list of token ids"),
+        ([5, 6.5], {}, "must be a string, a list of messages or a list of token ids"),
         ("the cat", {}, "no tokenizer"),
         ([1] * (TINY.max_position_embeddings + 1), {}, "row 0 has 257 tokens, beyond the model's context of 256"),
         ([5, 6], {"chunk_tokens": 0}, "chunk_tokens must be an integer >= 1"),

@@ -74,6 +74,9 @@ class LoopSpec:
     # Log-probs of every committed token and its `logprobs` best alternatives (0: the token's
     # own only); None: not computed (nothing extra in the program).
     logprobs: int | None = None
+    # The residual streams a prefill with no proposer returns (`target_prefill_spec`: the
+    # target's half of a prefill, shared by every proposer that reads the same streams).
+    prefill_hidden_layers: tuple[int, ...] = ()
 
     @property
     def cache_options(self) -> dict:  # for models.create_cache: nothing unless asked (other trunks)
@@ -97,7 +100,14 @@ class LoopSpec:
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:  # what the proposer reads from each target forward
-        return () if self.proposer is None else self.proposer.target_hidden_layers
+        return self.prefill_hidden_layers if self.proposer is None else self.proposer.target_hidden_layers
+
+    @property
+    def target_prefill_spec(self) -> "LoopSpec":
+        """This spec less its proposer: what `prefill_target` depends on, so plain decoding, prompt
+        lookup and a draft model (which read no stream of the target) share one compiled prefill."""
+        return dataclasses.replace(self, proposer=None, draft_sharding=None,
+                                   prefill_hidden_layers=self.hidden_layers)
 
 
 @struct.dataclass
@@ -343,6 +353,14 @@ def _laid_out(state: DecodeState, spec: LoopSpec) -> DecodeState:
 
 def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
     """Run the prompts, sample each row's first token, set up the proposer and the loop state."""
+    state, prefilled = prefill_target(params, request, spec)
+    return start(draft_params, state, prefilled, spec)
+
+
+def prefill_target(params, request: Request, spec: LoopSpec) -> tuple[DecodeState, Prefill]:
+    """The target's half of `prefill`: the prompts through the trunk, each row's first token
+    sampled and committed. The state has no proposer yet (`start` sets it up from the returned
+    `Prefill`); nothing here reads `spec.proposer` beyond its hidden layers."""
     cfg = spec.cfg
     batch, prompt_size = request.prompt.shape
     cache = models.create_cache(cfg, batch, spec.capacity, **spec.cache_options)
@@ -363,12 +381,6 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
     first = select(first_logits, request.sampling, spec.sampler, step_key, seen)
     history = jnp.zeros((batch, spec.capacity), jnp.int32)
     history = history.at[:, :prompt_size].set(jnp.where(in_prompt, request.prompt, 0)[:, :spec.capacity])
-    proposer_state = None
-    if spec.proposer is not None:
-        with jax.named_scope("proposer_init"):
-            prefilled = Prefill(prompt=request.prompt, prompt_length=request.prompt_length,
-                                first_token=first, hiddens=hiddens)
-            proposer_state = spec.proposer.init(draft_params, prefilled, spec.capacity)
     state = DecodeState(
         cache=cache,
         tokens=history,
@@ -377,8 +389,8 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
         finish_reason=jnp.full((batch,), RUNNING, jnp.int32),
         seen=seen,
         key=key,
-        proposer_state=proposer_state,
-        stats=RoundStats.zeros(batch, spec.num_draft),
+        proposer_state=None,
+        stats=RoundStats.zeros(batch, 0),
         target_forwards=jnp.zeros((), jnp.int32),
         grammar_state=request.grammar_start,
         logprobs=None if spec.logprobs is None else TokenLogprobs.zeros(batch, spec.capacity, spec.logprobs),
@@ -388,6 +400,19 @@ def prefill(params, draft_params, request: Request, spec: LoopSpec) -> DecodeSta
         first_logprobs = _token_logprobs(first_logits[:, None], first[:, None], None if seen is None else seen[:, None],
                                          request, spec)
     state = commit_tokens(state, first[:, None], jnp.ones((batch,), jnp.int32), request, spec, first_logprobs)
+    return state, Prefill(prompt=request.prompt, prompt_length=request.prompt_length, first_token=first,
+                          hiddens=hiddens)
+
+
+def start(draft_params, state: DecodeState, prefilled: Prefill, spec: LoopSpec) -> DecodeState:
+    """The proposer's half of `prefill`: its state from the target's prefill, the round counters
+    sized to its k, and the loop state laid out for the rounds."""
+    proposer_state = None
+    if spec.proposer is not None:
+        with jax.named_scope("proposer_init"):
+            proposer_state = spec.proposer.init(draft_params, prefilled, spec.capacity)
+    state = state.replace(proposer_state=proposer_state,
+                          stats=RoundStats.zeros(state.prompt_length.shape[0], spec.num_draft))
     return _laid_out(_check_capacity(state, spec), spec)
 
 
@@ -618,5 +643,15 @@ def generated_tokens(state: DecodeState, rows: int) -> list[list[int]]:
 # (spec, argument shapes), and XLA's persistent cache (jaxspec.compilation) keeps it across runs.
 # Each traces with float32 products at full precision (jaxspec.compilation, Numerics).
 prefill_jit = jax.jit(full_precision_products(prefill), static_argnames=("spec",))
+# The same prefill as two programs (`prefill_target` with `spec.target_prefill_spec`, then
+# `start`), so methods that differ only in their proposer compile the trunk's prefill once.
+prefill_target_jit = jax.jit(full_precision_products(prefill_target), static_argnames=("spec",))
+start_jit = jax.jit(full_precision_products(start), static_argnames=("spec",), donate_argnames=("state",))
+
+
+def prefill_in_two(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
+    """`prefill_jit`'s result from `prefill_target_jit` (shared across proposers) and `start_jit`."""
+    state, prefilled = prefill_target_jit(params, request, spec=spec.target_prefill_spec)
+    return start_jit(draft_params, state, prefilled, spec=spec)
 decode_jit = jax.jit(full_precision_products(decode), static_argnames=("spec",), donate_argnames=("state",))
 stream_step_jit = jax.jit(full_precision_products(stream_step), static_argnames=("spec",), donate_argnames=("state",))
