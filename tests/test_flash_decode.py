@@ -275,7 +275,7 @@ def _native_attention(block_s: int = 64, split_size: int = 128):
 @pytest.mark.parametrize("key_format, value_format", [("f32", "bf16"), ("q8_0", "q5_1"), ("q5_1", "q8_0")])
 def test_native_kernels_lower_to_triton_for_cuda(key_format, value_format):
     """Even without a GPU, lowering for CUDA runs Pallas's Triton lowering of both kernels; only
-    Triton's own compile is left for a GPU (bench/gpu_check.sh)."""
+    Triton's own compile is left for a GPU (bench/gpu_run.sh)."""
     batch, steps, num_kv_heads, group, capacity, head_dim = 2, 5, 2, 4, 256, 128
     cache = (batch, num_kv_heads, capacity, head_dim)
     assert _lowers_to_triton(_native_attention(),

@@ -141,7 +141,7 @@ def test_native_kernel_off_gpu_is_refused():
 def test_native_kernel_lowers_to_triton_for_cuda(monkeypatch, out_features, in_features, tokens):
     """Exporting for CUDA runs Pallas's Triton lowering of the kernel even without a GPU (every op
     needs a Triton rule, every tile a Triton shape); only Triton's own compile is left for a GPU
-    (bench/gpu_check.sh). The backend check is told it is on a GPU so the native path is taken."""
+    (bench/gpu_run.sh). The backend check is told it is on a GPU so the native path is taken."""
     from jax import export
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
