@@ -79,3 +79,21 @@ def test_load_s_block_by_block_layout_equals_fusing_then_laying_out(tiny_model, 
     expected = backends.apply(fuse_projections(tiny_model.params), backends.Products.parse(products))
     assert jax.tree.structure(laid_out) == jax.tree.structure(expected)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(laid_out), jax.device_get(expected))
+
+
+def test_a_restore_in_groups_of_arrays_gives_the_saved_tree(tiny_model, tmp_path, monkeypatch):
+    from jaxspec import models
+    from jaxspec.checkpoints import store
+
+    params = jax.device_get(tiny_model.params)
+    store.save_params(params, tmp_path / "params")
+    family = models.family_of(tiny_model.config)
+    whole = store.restore_params(tmp_path / "params", family, tiny_model.config)
+    monkeypatch.setattr(store, "RESTORE_GROUP_BYTES", 20_000)  # a handful of tiny arrays a group
+    wanted = jax.tree.leaves(quant.shape_structs(family.param_shapes(tiny_model.config), WeightFormat.F32))
+    groups = store._restore_groups(wanted, store.RESTORE_GROUP_BYTES)
+    assert len(groups) > 3 and [index for group in groups for index in group] == list(range(len(wanted)))
+    grouped = store.restore_params(tmp_path / "params", family, tiny_model.config)
+    for restored in (whole, grouped):
+        assert jax.tree.structure(restored) == jax.tree.structure(params)
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), params)

@@ -40,6 +40,7 @@ from jaxspec.checkpoints.assemble import Checkpoint, config_values_checked, to_j
 from jaxspec.checkpoints.resolve import JAXSPEC_META, cache_dir
 from jaxspec.checkpoints.safetensors import read_json
 from jaxspec.errors import CheckpointError, JaxspecError
+from jaxspec.hostmem import release_freed_memory
 from jaxspec.models import quant
 from jaxspec.models.family import Family
 from jaxspec.models.quant import WeightFormat
@@ -131,20 +132,52 @@ def restore_params(path: pathlib.Path, family: Family, cfg: Any,
         # tie flag turned on over stored untied params) would silently drop a stored array.
         raise CheckpointError(f"{path} holds a params tree of another structure than the {family.name} config "
                               f"implies ({stored} arrays where it implies {len(jax.tree.leaves(target))})")
-    # Restore to host numpy, then hand the buffers to jax one by one (to_jax_consuming).
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    # Restored to host numpy a group of arrays at a time (orbax's reads hold a copy of what they
+    # read, and numpy's arrays are not aligned for jax to adopt), each array copied to the device
+    # and dropped before the next group: the whole tree at once peaked at 1.6x its size.
+    wanted, treedef = jax.tree.flatten(target)
+    skip = getattr(ocp, "PLACEHOLDER", None)  # restores nothing at its leaf (orbax >= 0.11)
+    leaves: list[Any] = [None] * len(wanted)
     with _checkpointer() as checkpointer:
-        restored = checkpointer.restore(
-            path.absolute(), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
-    if jax.tree.structure(restored) != jax.tree.structure(target):
-        raise CheckpointError(f"{path} holds a params tree of another structure than the {family.name} config implies")
-    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
-        if got.shape != want.shape or got.dtype != want.dtype:
-            raise CheckpointError(f"{path} holds a {got.dtype}{list(got.shape)} array where "
-                                  f"{want.dtype}{list(want.shape)} belongs")
-    leaves, treedef = jax.tree.flatten(restored)
-    del restored  # orbax's arrays are not aligned for jax to adopt: copied one by one, each dropped after
-    return jax.tree.unflatten(treedef, to_jax_consuming(leaves))
+        for group in _restore_groups(wanted, RESTORE_GROUP_BYTES if skip is not None else None):
+            item = jax.tree.unflatten(treedef, [want if index in group else skip for index, want in enumerate(wanted)])
+            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+            restored = checkpointer.restore(
+                path.absolute(), args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+            if jax.tree.structure(restored) != treedef:
+                raise CheckpointError(f"{path} holds a params tree of another structure than the {family.name} "
+                                      "config implies")
+            got = jax.tree.leaves(restored)
+            del restored
+            for index in group:
+                array, want = got[index], wanted[index]
+                if array.shape != want.shape or array.dtype != want.dtype:
+                    raise CheckpointError(f"{path} holds a {array.dtype}{list(array.shape)} array where "
+                                          f"{want.dtype}{list(want.shape)} belongs")
+                got[index] = None
+                leaves[index] = jax.block_until_ready(jax.device_put(array, may_alias=True))
+                del array
+            del got
+            release_freed_memory()
+    return jax.tree.unflatten(treedef, leaves)
+
+
+RESTORE_GROUP_BYTES = 512 << 20  # arrays restored together (one larger than this alone)
+
+
+def _restore_groups(wanted: list[Any], limit: int | None) -> list[range]:
+    """Consecutive index ranges of `wanted` (ShapeDtypeStructs) of at most `limit` bytes each
+    (an array larger than that alone); one range of all with no limit."""
+    if limit is None:
+        return [range(len(wanted))]
+    groups, start, size = [], 0, 0
+    for index, want in enumerate(wanted):
+        nbytes = int(np.prod(want.shape, dtype=np.int64)) * np.dtype(want.dtype).itemsize
+        if index > start and size + nbytes > limit:
+            groups.append(range(start, index))
+            start, size = index, 0
+        size += nbytes
+    return [*groups, range(start, len(wanted))] if wanted else []
 
 
 def _stored_leaf_count(path: pathlib.Path) -> int | None:
