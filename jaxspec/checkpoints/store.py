@@ -257,18 +257,21 @@ def _restore_entry(entry: pathlib.Path | None, family: Family, cfg: Any, weight_
 
 
 def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = False,
-              weight_format: WeightFormat = WeightFormat.F32) -> Checkpoint:
+              weight_format: WeightFormat = WeightFormat.F32, expected_sha256: str | None = None) -> Checkpoint:
     """A GGUF file in `weight_format`, its params restored from the cache when an entry of
     that format exists, else dequantized (from the float32 entry when there is one) and
     converted (and cached, unless `use_cache=False`). A damaged entry is rebuilt; an
-    unwritable cache only logs a warning."""
+    unwritable cache only logs a warning. With `expected_sha256` (a file jaxspec joined from
+    parts, jaxspec.checkpoints.parts), a file of another hash is refused before any tensor is
+    read."""
     entry = float_entry = None
     cancel = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         # hashlib releases the GIL: hash the file while this thread parses the header and
         # imports orbax (a large share of a cached load). A parse that fails stops the hash, or
         # leaving this block would wait for the whole file to be read.
-        digest = pool.submit(file_sha256, path, cancel) if use_cache else None
+        hashed = use_cache or expected_sha256 is not None
+        digest = pool.submit(file_sha256, path, cancel) if hashed else None
         try:
             gf = gguf_reader.read_gguf(path)
             family = gguf_reader.gguf_family(gf)
@@ -281,7 +284,11 @@ def load_gguf(path: pathlib.Path, *, use_cache: bool = True, progress: bool = Fa
         except BaseException:
             cancel.set()
             raise
-        if digest is not None:
+        if expected_sha256 is not None and digest.result() != expected_sha256:
+            raise CheckpointError(
+                f"{path} has sha256 {digest.result()}, not the {expected_sha256} it was joined with: it changed "
+                "on disk since; delete it, and the next load joins it again from its parts")
+        if use_cache:
             import orbax.checkpoint  # noqa: F401
 
             entry = gguf_cache_entry(path, digest.result(), weight_format)
