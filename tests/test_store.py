@@ -181,8 +181,9 @@ def test_converted_directory_metadata_errors_are_named(converted, changes, error
 def test_default_model(fresh_cache, count_dequantize):
     """The real default GGUF: its config, tokenizer metadata, a cache hit, and values checked
     against gguf's own reader. The first load is a cache miss (a fresh cache); the hit is
-    proved by the work it does (no dequantization) and timed only against that miss, measured
-    here on the same shared cores, never against an absolute number."""
+    proved by the work it does not do (no dequantization). Its time is printed beside the miss's,
+    not asserted: since the miss saves from device arrays, the two are close enough on shared
+    cores for load from other work to order them either way."""
     start = time.perf_counter()
     ckpt = checkpoints.load_checkpoint("smollm2-135m")
     jax.block_until_ready(ckpt.params)
@@ -201,7 +202,7 @@ def test_default_model(fresh_cache, count_dequantize):
     assert len(ckpt.tokenizer_source["tokenizer.ggml.merges"]) == 48900
     assert ckpt.tokenizer_source["tokenizer.ggml.tokens"][:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-    # Cache hit: no dequantization at all, and faster than the miss (best of two).
+    # Cache hit: no dequantization at all.
     count_dequantize[0] = 0
     second_s = []
     for _ in range(2):
@@ -211,7 +212,6 @@ def test_default_model(fresh_cache, count_dequantize):
         second_s.append(time.perf_counter() - start)
     print(f"default model: first load {first_s:.2f} s, cached loads {', '.join(f'{s:.2f}' for s in second_s)} s")
     assert count_dequantize[0] == 0
-    assert min(second_s) < first_s
 
     # An independent path: gguf's own reader and dequantizer, with the test's own unpermute.
     reader = gguf.GGUFReader(ckpt.source)
