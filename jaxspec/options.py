@@ -206,7 +206,9 @@ class GenerateOptions:
                                           f"got {getattr(self, name)!r}") from None
             for value in values.ravel():
                 if not ok(float(value)):
-                    raise InvalidRequestError(f"{message}; got {float(value)!r}")
+                    # A whole number reads as given (-3, not the -3.0 of the float64 it was checked as).
+                    shown = int(value) if math.isfinite(value) and float(value).is_integer() else float(value)
+                    raise InvalidRequestError(f"{message}; got {shown!r}")
 
     @property
     def sampler(self) -> SamplerSpec:

@@ -54,7 +54,9 @@ def test_every_option_is_a_keyword(tiny_model):
         (dict(max_new_tokens=2.5), "max_new_tokens must be an integer >= 1"),
         (dict(temperature="hot"), "temperature must be a number"),
         (dict(temperature=[0.5, -1.0]), "temperature must be >= 0"),
-        (dict(top_k=1.5), "top_k must be an integer"),
+        (dict(top_k=1.5), r"top_k must be an integer .*; got 1\.5$"),
+        (dict(top_k=-3), r"top_k must be an integer .*; got -3$"),  # as given, not -3.0
+        (dict(temperature=float("inf")), r"temperature must be >= 0; got inf$"),
         (dict(seed=1.0), "seed must be an integer"),
         (dict(seed=2**64), r"seed must be an integer in \[0, 2\*\*32\)"),
         (dict(seed=-1), "seed must be an integer in"),
