@@ -647,11 +647,11 @@ prefill_jit = jax.jit(full_precision_products(prefill), static_argnames=("spec",
 # `start`), so methods that differ only in their proposer compile the trunk's prefill once.
 prefill_target_jit = jax.jit(full_precision_products(prefill_target), static_argnames=("spec",))
 start_jit = jax.jit(full_precision_products(start), static_argnames=("spec",), donate_argnames=("state",))
+decode_jit = jax.jit(full_precision_products(decode), static_argnames=("spec",), donate_argnames=("state",))
+stream_step_jit = jax.jit(full_precision_products(stream_step), static_argnames=("spec",), donate_argnames=("state",))
 
 
 def prefill_in_two(params, draft_params, request: Request, spec: LoopSpec) -> DecodeState:
     """`prefill_jit`'s result from `prefill_target_jit` (shared across proposers) and `start_jit`."""
     state, prefilled = prefill_target_jit(params, request, spec=spec.target_prefill_spec)
     return start_jit(draft_params, state, prefilled, spec=spec)
-decode_jit = jax.jit(full_precision_products(decode), static_argnames=("spec",), donate_argnames=("state",))
-stream_step_jit = jax.jit(full_precision_products(stream_step), static_argnames=("spec",), donate_argnames=("state",))
