@@ -232,9 +232,8 @@ def in_cli_terms(error: JaxspecError) -> str:
     about one flag's value (`InvalidRequestError.flag`: a DraftTree's top_k is part of --tree,
     not the sampling --top-k) is printed as written, marked as that flag's."""
     message = str(error)
-    flag = getattr(error, "flag", None)  # only InvalidRequestError carries one
-    if flag is not None:
-        return f"{flag}: {message}"
+    if isinstance(error, InvalidRequestError) and error.flag is not None:
+        return f"{error.flag}: {message}"
     message = _METHOD_EQUALS.sub(r"--method \1", message)
     return _PYTHON_NAME.sub(lambda match: PYTHON_NAMES_TO_FLAGS[match.group(1)], message)
 

@@ -211,7 +211,7 @@ def _check_rules(rules: Mapping[str, str | None] | None, mesh: Mesh) -> dict[str
     return merged
 
 
-def _kv_repeats(logical: str, count: int, size: int, counts: dict[str, int], merged: dict) -> int | None:
+def _copies_per_entry(logical: str, count: int, size: int, counts: dict[str, int], merged: dict) -> int | None:
     """How many copies of each of `count` entries a mesh axis of `size` takes: 1 where it divides
     them; for kv heads split with the query heads, lcm(K, m) / K where m divides the query heads
     (each kv head repeated for the query heads that read it); None: it does not fit."""
@@ -231,7 +231,8 @@ def _sizes_that_fit(axis: str, counts: dict[str, int], merged: dict) -> list[int
     # A size past every count but the kv heads' (which may repeat) divides nothing.
     largest = min((count for name, count in split_here.items() if name != "kv_heads"), default=max(split_here.values()))
     return [size for size in range(1, largest + 1)
-            if all(_kv_repeats(name, count, size, counts, merged) is not None for name, count in split_here.items())]
+            if all(_copies_per_entry(name, count, size, counts, merged) is not None
+                   for name, count in split_here.items())]
 
 
 def plan_for(cfg: Any, mesh: Mesh, rules: Mapping[str, str | None] | None = None, *,
@@ -245,7 +246,7 @@ def plan_for(cfg: Any, mesh: Mesh, rules: Mapping[str, str | None] | None = None
     for logical, count in counts.items():
         axis = merged.get(logical)
         size = 1 if axis is None else mesh.shape[axis]
-        repeats = _kv_repeats(logical, count, size, counts, merged)
+        repeats = _copies_per_entry(logical, count, size, counts, merged)
         if repeats is not None:
             kv_repeats = max(kv_repeats, repeats)
             continue

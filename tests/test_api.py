@@ -203,7 +203,8 @@ def test_a_conversation_goes_through_the_template_whatever_chat_says(tiny_model)
     batch = jaxspec.prepare(model, prompt=[talk, talk[1:2], "hello"], chat=False).rows
     assert batch == [expected, model.tokenizer.encode_chat(talk[1:2]), model.tokenizer.encode("hello")]
     # score: the conversation as it stands, no cue for another turn.
-    assert score_lib._rows(model, talk, add_bos=None) == [model.tokenizer.encode_chat(talk, add_generation_prompt=False)]
+    as_it_stands = model.tokenizer.encode_chat(talk, add_generation_prompt=False)
+    assert score_lib._rows(model, talk, add_bos=None) == [as_it_stands]
 
 
 @pytest.mark.parametrize("prompt, message", [
